@@ -1,0 +1,58 @@
+"""What one forward pass attends to, expressed as slot indices and a boolean mask.
+
+Every forward of specpipe (prefill, decode, tree verify, per-branch draft steps, draft extend)
+is the same computation: each query token writes its K/V into one slot of the KV pool and reads
+the K/V of a list of slots, filtered by a mask. Only the mask differs between modes, so the
+model has one attention path and the stages build masks with pure tensor code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AttentionBatch:
+    positions: Tensor  # [B, Q] int64 RoPE position of each query token
+    out_slots: Tensor  # [B, Q] int64 KV-pool slot each query writes (padding rows write slot 0)
+    kv_slots: Tensor  # [B, Lkv] int64 slots each request reads (padding columns read slot 0)
+    mask: Tensor  # [B, Q, Lkv] bool, True where query q may attend key column k
+    kv_positions: Optional[Tensor] = None  # [B, Lkv] int64 token position of each key (sliding window)
+
+    @property
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
+
+
+def extend_batch(
+    req_to_token: Tensor,  # [R, C] int64 request-row -> slot table
+    rows: Tensor,  # [B] int64 row of each request in req_to_token
+    starts: Tensor,  # [B] int64 first position written this forward (= tokens already cached)
+    lens: Tensor,  # [B] int64 number of new tokens per request (may be 0 for padding)
+    q_len: int,  # padded number of query tokens (>= max(lens))
+    kv_len: int,  # padded number of key columns (>= max(starts + lens))
+) -> AttentionBatch:
+    """Causal extend: request b adds tokens at positions [starts_b, starts_b + lens_b).
+
+    The slots for the new tokens must already be written into req_to_token. Padding query rows
+    write to slot 0 (the padding sink) and their outputs are garbage that callers ignore.
+    """
+    dev = req_to_token.device
+    q_idx = torch.arange(q_len, device=dev)  # [Q]
+    k_idx = torch.arange(kv_len, device=dev)  # [Lkv]
+    positions = starts[:, None] + q_idx[None, :]  # [B, Q]
+    q_valid = q_idx[None, :] < lens[:, None]  # [B, Q]
+    table = req_to_token[rows]  # [B, C]
+    width = table.shape[1]
+    pos_clamped = positions.clamp(max=width - 1)
+    out_slots = torch.where(q_valid, table.gather(1, pos_clamped), torch.zeros_like(positions))
+    kv_cols = k_idx.clamp(max=width - 1)
+    end = starts + lens  # [B]
+    k_valid = k_idx[None, :] < end[:, None]  # [B, Lkv]
+    kv_slots = torch.where(k_valid, table[:, kv_cols], torch.zeros((), dtype=table.dtype, device=dev))
+    mask = (k_idx[None, None, :] <= positions[:, :, None]) & k_valid[:, None, :] & q_valid[:, :, None]
+    kv_positions = k_idx[None, :].expand(rows.shape[0], kv_len)
+    return AttentionBatch(positions, out_slots, kv_slots, mask, kv_positions)

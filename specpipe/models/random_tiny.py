@@ -1,0 +1,37 @@
+"""A seeded random target + EAGLE head pair, built in milliseconds, for tests."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from specpipe.models.eagle import EagleHead
+from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
+from specpipe.models.pair import ModelPair
+from specpipe.tokenizer import ByteTokenizer
+
+
+def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                      num_kv_heads: int = 2, intermediate_size: int = 128, max_position: int = 2048,
+                      tie_word_embeddings: bool = False, init_std: float = 0.5, seed: int = 0,
+                      dtype: str = "float32", device: str = "cpu", draft_path: Optional[str] = None) -> ModelPair:
+    """Random weights with a large init scale so logits are far from uniform (few argmax ties)."""
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                      intermediate_size=intermediate_size, max_position_embeddings=max_position,
+                      tie_word_embeddings=tie_word_embeddings, eos_token_id=vocab_size - 1)
+    gen = torch.Generator().manual_seed(seed)
+    target = LlamaForCausalLM(cfg)
+    draft = EagleHead(cfg, target)
+    for module in (target, draft):
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                continue
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * init_std / max(1, p.shape[-1]) ** 0.5
+                        if p.dim() > 1 else torch.randn(p.shape, generator=gen) * 0.02)
+    dt = getattr(torch, dtype)
+    target.to(device=device, dtype=dt).eval()
+    draft.to(device=device, dtype=dt).eval()
+    tok = ByteTokenizer(vocab_size, bos_token_id=None, eos_token_id=vocab_size - 1)
+    return ModelPair(target, draft, tok, name="random_tiny")

@@ -1,0 +1,55 @@
+"""Tokenizers a model folder can describe: bytes (the shipped pair) or a `tokenizer.json` (HF `tokenizers`)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; special ids follow. Invalid UTF-8 in output decodes with U+FFFD."""
+
+    def __init__(self, vocab_size: int = 258, bos_token_id: Optional[int] = 256, eos_token_id: Optional[int] = 257):
+        if vocab_size < 256:
+            raise ValueError(f"a byte tokenizer needs vocab_size >= 256, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def describe(self) -> dict:
+        return {"type": "byte", "vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
+                "eos_token_id": self.eos_token_id}
+
+
+class HFTokenizer:
+    """A `tokenizer.json` read with the `tokenizers` package (no other tokenizer dependency)."""
+
+    def __init__(self, path: str | Path, eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def tokenizer_from_description(desc: dict, folder: Optional[Path] = None):
+    """Build the tokenizer a model folder's `config.json` describes under the key "specpipe_tokenizer"."""
+    kind = desc.get("type")
+    if kind == "byte":
+        return ByteTokenizer(desc.get("vocab_size", 258), desc.get("bos_token_id"), desc.get("eos_token_id"))
+    if kind == "hf":
+        return HFTokenizer(Path(folder) / desc.get("file", "tokenizer.json"), desc.get("eos_token_id"),
+                           desc.get("bos_token_id"))
+    raise ValueError(f"unknown tokenizer type {kind!r} (valid: byte, hf)")
