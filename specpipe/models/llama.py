@@ -132,9 +132,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, Q, self.n_kv, self.hd)
         q = q * cos + rotate_half(q) * sin  # cos/sin: [B, Q, 1, D]
         k = k * cos + rotate_half(k) * sin
-        if batch is None:  # training: plain causal attention over the input
+        if batch is None and self.window is None:  # training: plain causal attention over the input
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True)
+        elif batch is None:  # causal and within the sliding window
+            i = torch.arange(Q, device=x.device)
+            dist = i[:, None] - i[None, :]  # [Q, Q]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=(dist >= 0) & (dist < self.window), enable_gqa=True)
         else:
             o = self._pool_attention(q, k, v, batch, kv)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.hd))

@@ -1,0 +1,142 @@
+"""EAGLE-3 draft head (SafeAILab EAGLE-3 / SpecForge checkpoint layout) and target aux-hidden capture.
+
+The target's outputs of three layers (low, mid, high) are concatenated and fused by ``fc``
+(3*H -> H). One decoder layer ("midlayer") normalizes the token embedding (``input_layernorm``)
+and the fused hidden (``hidden_norm``) separately and attends over their concatenation, so its
+q/k/v projections take 2*H inputs; the residual is the un-normed hidden. Later draft steps feed the
+head's own (pre-norm) output back as the hidden, skipping ``fc``. Logits come from ``norm`` and an
+``lm_head`` over a reduced draft vocabulary; ``d2t`` maps draft id d to target id d + d2t[d].
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from specpipe.models.attention_batch import AttentionBatch
+from specpipe.models.llama import MLP, Attention, KVPool, LlamaConfig, LlamaForCausalLM, RMSNorm, Rotary
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Layers whose outputs EAGLE-3 captures: 1, N//2-1, N-4 (clamped into [0, N-1] for small N)."""
+    return [min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+
+
+def _positions(input_ids: Tensor, batch: Optional[AttentionBatch]) -> Tensor:
+    if batch is not None:
+        return batch.positions
+    return torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+
+
+def target_forward_aux(target: LlamaForCausalLM, input_ids: Tensor, batch: Optional[AttentionBatch] = None,
+                       layers: Sequence[int] = ()) -> tuple[Tensor, Tensor]:
+    """Run ``target`` like its forward and also return the outputs of ``layers``, concatenated.
+
+    Returns ([B, Q, H] final-norm hidden, [B, Q, len(layers)*H] aux hidden). Layer i's output is
+    the residual stream after decoder layer i (the input of layer i+1).
+    """
+    x = target.embed_tokens(input_ids)  # [B, Q, H]
+    cos, sin = target.rotary(_positions(input_ids, batch), x.dtype)
+    outs: dict[int, Tensor] = {}
+    for i, layer in enumerate(target.layers):
+        x = layer(x, cos, sin, batch, target.kv)
+        outs[i] = x
+    aux = torch.cat([outs[i] for i in layers], dim=-1) if layers else x[..., :0]
+    return target.norm(x), aux
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 decoder layer: attention over concat(norm(embed), norm(hidden)), then a SwiGLU MLP."""
+
+    def __init__(self, cfg: LlamaConfig, norm_before_residual: bool = False):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.self_attn = Attention(cfg, 0)
+        a, bias = self.self_attn, cfg.attention_bias
+        a.q_proj = nn.Linear(2 * h, a.n_heads * a.hd, bias=bias)  # takes [embed | hidden]
+        a.k_proj = nn.Linear(2 * h, a.n_kv * a.hd, bias=bias)
+        a.v_proj = nn.Linear(2 * h, a.n_kv * a.hd, bias=bias)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, batch: Optional[AttentionBatch],
+                kv: Optional[KVPool]) -> Tensor:
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat((self.input_layernorm(emb), normed), dim=-1)  # [B, Q, 2H]
+        x = residual + self.self_attn(x, cos, sin, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Head(nn.Module):
+    """Same interface as :class:`EagleHead`; ``target_hidden`` is [B, Q, 3*Ht] (target) or [B, Q, H] (own)."""
+
+    def __init__(self, cfg: LlamaConfig, target: LlamaForCausalLM, draft_vocab_size: Optional[int] = None,
+                 target_hidden_size: Optional[int] = None, aux_layers: Optional[Sequence[int]] = None,
+                 fc_bias: bool = False, own_embed: bool = False, norm_before_residual: bool = False):
+        super().__init__()
+        self.config = cfg
+        h, vocab = cfg.hidden_size, cfg.vocab_size
+        vd = draft_vocab_size or vocab
+        n_target = target.config.num_hidden_layers
+        self.aux_layers = list(aux_layers) if aux_layers is not None else default_aux_layers(n_target)
+        th = target_hidden_size or target.config.hidden_size
+        self.fc = nn.Linear(len(self.aux_layers) * th, h, bias=fc_bias)
+        self.midlayer = Eagle3Layer(cfg, norm_before_residual)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, vd, bias=False)  # over the draft vocab
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))  # target id = d + d2t[d]
+        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool))  # target token is in the draft vocab
+        self.embed_tokens = nn.Embedding(vocab, h) if own_embed else None
+        self.rotary = Rotary(cfg)
+        self._shared = (target.embed_tokens,)  # kept out of this head's state_dict
+        self.kv: Optional[KVPool] = None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.out_features
+
+    def setup_kv(self, num_slots: int, dtype: Optional[torch.dtype] = None) -> KVPool:
+        c, p = self.config, self.fc.weight
+        self.kv = KVPool(1, num_slots, c.num_key_value_heads, c.head_dim, dtype or p.dtype, p.device)
+        return self.kv
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return (self.embed_tokens or self._shared[0])(input_ids)
+
+    def capture(self, target: LlamaForCausalLM, input_ids: Tensor,
+                batch: Optional[AttentionBatch] = None) -> tuple[Tensor, Tensor]:
+        """Run the target; returns ([B, Q, H] final hidden, [B, Q, 3*Ht] this head's aux hidden)."""
+        return target_forward_aux(target, input_ids, batch, self.aux_layers)
+
+    def forward(self, input_ids: Tensor, target_hidden: Tensor, batch: Optional[AttentionBatch] = None) -> Tensor:
+        """[B, Q] ids, [B, Q, 3*Ht] target aux hidden (or [B, Q, H] own hidden) -> [B, Q, H] draft hidden."""
+        w = self.fc.weight
+        hidden = target_hidden.to(w.dtype)
+        if hidden.shape[-1] == self.fc.in_features:
+            hidden = self.fc(hidden)
+        elif hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"target_hidden has width {hidden.shape[-1]}; expected {self.fc.in_features} "
+                             f"(aux layers {self.aux_layers} of the target) or {self.config.hidden_size}")
+        emb = self.embed(input_ids).to(w.dtype)
+        cos, sin = self.rotary(_positions(input_ids, batch), w.dtype)
+        return self.midlayer(emb, hidden, cos, sin, batch, self.kv)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """[..., H] -> [..., Vd] logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocab ids -> target-vocab ids."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., H] -> [..., V] logits over the full target vocab; tokens outside the draft vocab get -inf."""
+        small = self.draft_logits(hidden)  # [..., Vd]
+        ids = self.to_target(torch.arange(small.shape[-1], device=small.device))  # [Vd]
+        full = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, ids, small)

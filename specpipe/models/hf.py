@@ -1,0 +1,300 @@
+"""Load Llama / Mistral / Qwen2 targets and EAGLE heads from Hugging Face folders (safetensors only).
+
+A folder holds config.json and model.safetensors (or model.safetensors.index.json + shards); keys
+lose their leading ``model.``. Models are built on the meta device and the checkpoint tensors are
+assigned (no random init). Problems raise a one-paragraph :class:`CheckpointError` naming the file
+and the field or tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from specpipe.models.llama import LlamaConfig, LlamaForCausalLM, Rotary
+from specpipe.models.hf_save import config_to_hf, save_eagle, save_target, to_dtype  # noqa: F401  (public API)
+from specpipe.models.pair import ModelPair
+
+TARGET_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class CheckpointError(ValueError):
+    """A model folder that cannot be loaded; the message names the file and the field or tensor."""
+
+
+def read_config(folder: str | Path) -> dict:
+    """The parsed ``config.json`` of a model folder."""
+    file = Path(folder) / "config.json"
+    if not file.is_file():
+        why = "file not found" if file.parent.is_dir() else f"the folder {file.parent} does not exist"
+        raise CheckpointError(f"{file}: {why}; a model folder needs config.json (the Hugging Face model config) "
+                              f"next to its safetensors weights")
+    try:
+        raw = json.loads(file.read_text())
+        assert isinstance(raw, dict), "expected a JSON object at the top level"
+    except (json.JSONDecodeError, UnicodeDecodeError, AssertionError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    return raw
+
+
+def _family(raw: dict, file: Path, draft: bool) -> str:
+    """llama | mistral | qwen2, from `architectures` (targets must name a supported one)."""
+    arch = (raw.get("architectures") or [None])[0]
+    if arch in TARGET_ARCHS:
+        return TARGET_ARCHS[arch]
+    mt = raw.get("model_type")
+    if draft:  # EAGLE heads name e.g. LlamaForCausalLMEagle3 or nothing at all
+        name = f"{arch} {mt}".lower()
+        return "qwen2" if "qwen2" in name else "mistral" if "mistral" in name else "llama"
+    if arch is None and mt in TARGET_ARCHS.values():
+        return mt
+    raise CheckpointError(f"{file}: field 'architectures' is {raw.get('architectures')!r}, an architecture specpipe "
+                          f"cannot load (valid: {', '.join(TARGET_ARCHS)})")
+
+
+def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None) -> int:
+    v = raw.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        what = "is missing" if v is None else f"must be a positive integer, got {v!r}"
+        raise CheckpointError(f"{file}: required field '{key}' {what}")
+    return v
+
+
+def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) from v4 fields (rope_theta, rope_scaling) or v5 `rope_parameters`."""
+    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    rp = raw.get(key) or {}
+    if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
+        raise CheckpointError(f"{file}: field '{key}' must be one dict of RoPE settings (per-layer-type RoPE "
+                              f"is not supported), got {rp!r}")
+    theta = float(raw.get("rope_theta") or rp.get("rope_theta") or 10000.0)
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind not in ("default", "llama3", "linear"):
+        raise CheckpointError(f"{file}: field '{key}.rope_type' is {kind!r}, which specpipe does not implement "
+                              f"(valid: default, llama3, linear)")
+    if kind != "default" and "factor" not in rp:
+        raise CheckpointError(f"{file}: field '{key}.factor' is missing (required for rope_type {kind!r})")
+    if float(raw.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise CheckpointError(f"{file}: field 'partial_rotary_factor' must be 1.0 (partial RoPE is not supported)")
+    return theta, None if kind == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
+
+
+def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[int], Optional[list]]:
+    """(sliding_window, layer_types) with Hugging Face's semantics for each family."""
+    if family == "mistral":  # HF Mistral applies the window to every layer
+        return raw.get("sliding_window"), None
+    if family != "qwen2" or not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+        return None, None
+    first = raw.get("max_window_layers", 28)
+    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise CheckpointError(f"{file}: field 'layer_types' has {len(types)} entries but num_hidden_layers={layers}")
+    if "sliding_attention" not in types:
+        return None, None
+    return _int_field(raw, "sliding_window", file), list(types)
+
+
+def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a Llama / Mistral / Qwen2 (or EAGLE head) ``config.json`` dict."""
+    family = _family(raw, file, draft)
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise CheckpointError(f"{file}: field 'hidden_act' is {raw['hidden_act']!r} (only silu is supported)")
+    if raw.get("mlp_bias"):
+        raise CheckpointError(f"{file}: field 'mlp_bias' is true, which specpipe's Llama MLP does not support")
+    if family == "llama" and raw.get("attention_bias"):
+        raise CheckpointError(f"{file}: field 'attention_bias' is true; Llama's attention_bias also adds an o_proj "
+                              f"bias, which specpipe does not support")
+    layers = _int_field(raw, "num_hidden_layers", file, 1 if draft else None)
+    heads = _int_field(raw, "num_attention_heads", file)
+    theta, scaling = _rope(raw, file)
+    window, types = _window(raw, family, layers, file)
+    eos = raw.get("eos_token_id")
+    extra = {"architecture": (raw.get("architectures") or [None])[0], "family": family, "source": str(file.parent)}
+    if isinstance(eos, list):
+        extra["eos_token_ids"], eos = eos, (eos[0] if eos else None)
+    return LlamaConfig(
+        vocab_size=_int_field(raw, "vocab_size", file), hidden_size=_int_field(raw, "hidden_size", file),
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=_int_field(raw, "num_key_value_heads", file, heads),
+        intermediate_size=_int_field(raw, "intermediate_size", file), head_dim=raw.get("head_dim"),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=family == "qwen2",
+        sliding_window=window, layer_types=types, bos_token_id=raw.get("bos_token_id"), eos_token_id=eos,
+        extra=extra)
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a folder; refuses pickle-only folders."""
+    folder = Path(folder)
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(wmap, dict) or not wmap:
+            raise CheckpointError(f"{index}: field 'weight_map' is missing or empty")
+        shards = sorted(set(wmap.values()))
+        for s in shards:
+            if not (folder / s).is_file():
+                raise CheckpointError(f"{index}: field 'weight_map' lists shard '{s}' but {folder / s} does not "
+                                      f"exist (an incomplete download?)")
+        return [folder / s for s in shards]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:  # never opened: unpickling runs code
+        raise CheckpointError(
+            f"{folder / pickles[0]}: only pickle weights found ({', '.join(pickles)}); specpipe loads safetensors "
+            f"only, because unpickling a .bin/.pt file can execute arbitrary code. Convert it once, in an environment "
+            f"you trust: python -c \"import torch; from safetensors.torch import save_file; "
+            f"sd = torch.load('{folder / pickles[0]}', map_location='cpu', weights_only=True); "
+            f"save_file({{k: v.contiguous().clone() for k, v in sd.items()}}, '{single}', "
+            f"metadata={{'format': 'pt'}})\" "
+            f"(or load it with transformers and call save_pretrained(folder), which writes safetensors)")
+    raise CheckpointError(f"{single}: file not found; {folder} holds no weights (expected model.safetensors, or "
+                          f"model.safetensors.index.json with its shards)")
+
+
+def read_tensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, tuple[Path, str]]]:
+    """name -> tensor (floats converted to ``dtype``) and name -> (file, key); drops the ``model.`` prefix."""
+    tensors, origin = {}, {}
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error type for corrupt headers
+            raise CheckpointError(f"{f}: cannot be read as safetensors ({e})") from None
+        with handle:
+            for key in handle.keys():
+                name = key[len("model."):] if key.startswith("model.") else key
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                t = handle.get_tensor(key)
+                tensors[name] = t.to(dtype) if t.is_floating_point() else t
+                origin[name] = (f, key)
+    return tensors, origin
+
+
+# tensor name part -> the config fields that set its shape (first match wins)
+_QO, _KV = ("hidden_size", "num_attention_heads", "head_dim"), ("hidden_size", "num_key_value_heads", "head_dim")
+_EMB, _HEAD = ("vocab_size", "hidden_size"), ("vocab_size", "draft_vocab_size", "hidden_size")
+HINTS = (("embed_tokens", _EMB), ("lm_head", _HEAD), ("q_proj", _QO), ("o_proj", _QO), ("k_proj", _KV), ("v_proj", _KV),
+         ("mlp", ("hidden_size", "intermediate_size")), ("fc", ("hidden_size", "target_hidden_size")),
+         ("norm", ("hidden_size",)), ("d2t", ("draft_vocab_size",)), ("t2d", ("vocab_size",)))
+
+
+def _hint(name: str, fields: dict) -> str:
+    keys = next((ks for part, ks in HINTS if part in name), ("hidden_size",))
+    return ", ".join(f"{k}={fields[k]}" for k in keys if fields.get(k) is not None)
+
+
+def fill(module: nn.Module, tensors: dict[str, Tensor], origin: dict, cfg_file: Path, fields: dict,
+         device: str | torch.device, what: str = "model") -> None:
+    """Check names and shapes of ``tensors`` against ``module`` (built on meta) and assign them."""
+    expected = module.state_dict(keep_vars=True)
+    seen: dict[int, str] = {}
+    tied = {n for n, p in expected.items() if seen.setdefault(id(p), n) != n}  # second name of a shared tensor
+    files = sorted({str(f) for f, _ in origin.values()}) or [str(cfg_file.parent)]
+    prefix = "model." if any(key.startswith("model.") for _, key in origin.values()) else ""
+    for name in expected:  # missing tensors first, then unexpected or misshapen ones
+        if name not in tensors and name not in tied:
+            key = name if name.startswith("lm_head.") else prefix + name
+            raise CheckpointError(f"{', '.join(files)}: tensor '{key}' is missing; the {what} that {cfg_file} "
+                                  f"describes ({_hint(name, fields)}) needs it")
+    for name, t in tensors.items():
+        file, key = origin.get(name, (files[0], name))
+        if name not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor '{key}'; the {what} that {cfg_file} describes has no "
+                                  f"such parameter (is this the right architecture / config.json?)")
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{file}: tensor '{key}' has shape {list(t.shape)} but {cfg_file} "
+                                  f"({_hint(name, fields)}) needs {list(expected[name].shape)}")
+    load = {n: t.to(device) for n, t in tensors.items() if n not in tied}
+    module.load_state_dict(load, strict=False, assign=True)
+
+
+def finish(module: nn.Module, cfg: LlamaConfig, device) -> nn.Module:
+    module.rotary = Rotary(cfg).to(device)  # non-persistent buffer, was built on meta
+    bad = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    assert not bad, f"parameters left unloaded: {bad}"
+    return module.eval()
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """A Llama / Mistral / Qwen2 target from a Hugging Face folder."""
+    folder = Path(path)
+    raw = read_config(folder)
+    cfg = parse_config(raw, folder / "config.json")
+    tensors, origin = read_tensors(weight_files(folder), to_dtype(dtype))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    fields = {**raw, "head_dim": cfg.head_dim, "num_key_value_heads": cfg.num_key_value_heads}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints store the copy too
+    fill(model, tensors, origin, folder / "config.json", fields, device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return finish(model, cfg, device)
+
+
+def load_draft(path: str | Path, target: LlamaForCausalLM, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> nn.Module:
+    """An EAGLE-1/2 head (:class:`EagleHead`) or EAGLE-3 head (:class:`Eagle3Head`) for ``target``."""
+    from specpipe.models.hf_draft import load_draft_folder
+
+    return load_draft_folder(Path(path), target, to_dtype(dtype), device)
+
+
+def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = None):
+    """``specpipe_tokenizer`` in config.json, else tokenizer.json, else a CheckpointError."""
+    from specpipe.tokenizer import HFTokenizer, tokenizer_from_description
+
+    folder = Path(folder)
+    raw = read_config(folder) if raw is None else raw
+    desc = raw.get("specpipe_tokenizer")
+    if desc is not None:
+        try:
+            tok = tokenizer_from_description(desc, folder)
+        except Exception as e:
+            raise CheckpointError(f"{folder / 'config.json'}: field 'specpipe_tokenizer' ({desc!r}) does not "
+                                  f"describe a usable tokenizer: {e}") from None
+    elif (folder / "tokenizer.json").is_file():
+        tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=cfg.eos_token_id, bos_token_id=cfg.bos_token_id)
+    else:
+        raise CheckpointError(f"{folder / 'tokenizer.json'}: file not found, and config.json has no "
+                              f"'specpipe_tokenizer' field; copy tokenizer.json from the model's Hugging Face repo "
+                              f"into {folder}")
+    if tok.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json field "
+                              f"'vocab_size' is {cfg.vocab_size}")
+    return tok
+
+
+def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: str | torch.dtype = "float32",
+            device: str | torch.device = "cpu", name: Optional[str] = None) -> ModelPair:
+    """Target (+ EAGLE head when ``draft_path`` is given) + tokenizer from Hugging Face folders."""
+    folder = Path(path)
+    target = load_target(folder, dtype, device)
+    tokenizer = load_tokenizer(folder, target.config)
+    draft = load_draft(draft_path, target, dtype, device) if draft_path is not None else None
+    return ModelPair(target, draft, tokenizer, name=name or folder.name)
+
+
+def load_tiny(dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+              draft_path: Optional[str | Path] = None) -> ModelPair:
+    """The trained byte-level pair shipped in specpipe/assets/tiny/{target,eagle}."""
+    root = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+    if not (root / "target" / "config.json").is_file():
+        raise CheckpointError(f"{root / 'target'}: the shipped tiny model is missing; build it with "
+                              f"python scripts/train_tiny.py --out {root}")
+    return load_hf(root / "target", draft_path or root / "eagle", dtype, device, name="tiny")

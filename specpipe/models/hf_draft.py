@@ -1,0 +1,109 @@
+"""Load EAGLE-1/2 and EAGLE-3 draft heads (safetensors) for an already loaded target."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specpipe.models.eagle import EagleHead
+from specpipe.models.eagle3 import Eagle3Head
+from specpipe.models.hf import (CheckpointError, fill, finish, parse_config, read_config, read_tensors,
+                                weight_files)
+from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
+
+
+def load_draft_folder(folder: Path, target: LlamaForCausalLM, dtype: torch.dtype, device) -> nn.Module:
+    """EagleHead or Eagle3Head, chosen by `architectures` (…Eagle3…) or by ``midlayer.*`` keys."""
+    raw = read_config(folder)
+    file = folder / "config.json"
+    tensors, origin = read_tensors(weight_files(folder), dtype)
+    arch = str(raw.get("architectures") or "").lower()
+    if "eagle3" in arch or any(n.startswith("midlayer.") for n in tensors):
+        return _load_eagle3(raw, file, target, tensors, origin, device, dtype)
+    return _load_eagle(raw, file, target, tensors, origin, device)
+
+
+def _match(cfg: LlamaConfig, target: LlamaForCausalLM, file: Path, names: tuple[str, ...]) -> None:
+    for name in names:
+        mine, theirs = getattr(cfg, name), getattr(target.config, name)
+        if mine != theirs:
+            where = target.config.extra.get("source", "the loaded target")
+            raise CheckpointError(f"{file}: field '{name}' is {mine} but the target ({where}) has {name}={theirs}; "
+                                  f"this draft head was made for a different target model")
+
+
+def _fields(raw: dict, cfg: LlamaConfig, **more) -> dict:
+    return {**raw, "head_dim": cfg.head_dim, "num_key_value_heads": cfg.num_key_value_heads, **more}
+
+
+def _load_eagle(raw, file, target, tensors, origin, device) -> EagleHead:
+    """EAGLE-1/2: fc (2H -> H, with bias) + layers.N.* (layer 0 has no input norm) + shared embed / lm_head."""
+    cfg = parse_config(raw, file, draft=True)
+    _match(cfg, target, file, ("hidden_size", "vocab_size"))
+    with torch.device("meta"):
+        head = EagleHead(cfg, target, num_layers=cfg.num_hidden_layers, fc_bias="fc.bias" in tensors,
+                         own_embed="embed_tokens.weight" in tensors, own_lm_head="lm_head.weight" in tensors)
+    fill(head, tensors, origin, file, _fields(raw, cfg), device, what="EAGLE head")
+    return finish(head, cfg, device)
+
+
+def _aux_layers(raw: dict, file: Path, n: int):
+    aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and (not isinstance(aux, list) or not aux
+                            or not all(isinstance(i, int) and 0 <= i < n for i in aux)):
+        raise CheckpointError(f"{file}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is {aux!r}; expected "
+                              f"a list of target layer indices in [0, {n - 1}]")
+    return aux
+
+
+def _vocab_maps(raw, file, cfg, tensors, origin, vd: int) -> None:
+    """Fill in / check d2t (draft id -> offset to target id) and t2d (target id in draft vocab)."""
+    vocab = cfg.vocab_size
+    if "d2t" not in tensors:
+        if vd != vocab:  # fill() reports the missing tensor
+            return
+        tensors["d2t"] = torch.zeros(vd, dtype=torch.int64)
+    d2t = tensors["d2t"]
+    f, key = origin.get("d2t", (file, "d2t"))
+    if d2t.is_floating_point() or d2t.dtype == torch.bool or d2t.dim() != 1 or d2t.shape[0] != vd:
+        raise CheckpointError(f"{f}: tensor '{key}' must be an integer vector of length draft_vocab_size={vd}, "
+                              f"got {d2t.dtype} {list(d2t.shape)}")
+    ids = torch.arange(vd) + d2t.long()
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise CheckpointError(f"{f}: tensor '{key}' maps draft ids outside the target vocab (vocab_size={vocab})")
+    tensors["d2t"] = d2t.long()
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = tensors["t2d"].bool() if "t2d" in tensors else t2d
+
+
+def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Head:
+    """EAGLE-3: midlayer.* + fc (3*Ht -> H) + norm + lm_head (draft vocab) + d2t / t2d."""
+    cfg = parse_config(raw, file, draft=True)
+    tc = target.config
+    _match(cfg, target, file, ("vocab_size",))
+    own_embed = "embed_tokens.weight" in tensors
+    if not own_embed:  # the head embeds tokens with the target's table
+        _match(cfg, target, file, ("hidden_size",))
+    th = raw.get("target_hidden_size") or tc.hidden_size
+    if th != tc.hidden_size:
+        raise CheckpointError(f"{file}: field 'target_hidden_size' is {th} but the target has hidden_size="
+                              f"{tc.hidden_size}")
+    if cfg.num_hidden_layers != 1:
+        raise CheckpointError(f"{file}: field 'num_hidden_layers' is {cfg.num_hidden_layers}; specpipe supports "
+                              f"EAGLE-3 heads with one midlayer")
+    vd = raw.get("draft_vocab_size") or cfg.vocab_size
+    if not isinstance(vd, int) or not 0 < vd <= cfg.vocab_size:
+        raise CheckpointError(f"{file}: field 'draft_vocab_size' is {vd!r}; expected 1..vocab_size={cfg.vocab_size}")
+    if "lm_head.weight" not in tensors and vd == cfg.vocab_size:
+        tensors["lm_head.weight"] = target.lm_head.weight.detach().to("cpu", dtype)  # lm_head shared
+    _vocab_maps(raw, file, cfg, tensors, origin, vd)
+    aux = _aux_layers(raw, file, tc.num_hidden_layers)
+    with torch.device("meta"):
+        head = Eagle3Head(cfg, target, draft_vocab_size=vd, target_hidden_size=th, aux_layers=aux,
+                          fc_bias="fc.bias" in tensors, own_embed=own_embed,
+                          norm_before_residual=bool(raw.get("norm_before_residual", False)))
+    fields = _fields(raw, cfg, draft_vocab_size=vd, target_hidden_size=th)
+    fill(head, tensors, origin, file, fields, device, what=f"EAGLE-3 head (aux layers {head.aux_layers})")
+    return finish(head, cfg, device)

@@ -1,0 +1,119 @@
+"""Write targets and EAGLE heads as Hugging Face folders (config.json + model.safetensors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+def _pick_arch(cfg: LlamaConfig) -> str:
+    arch = cfg.extra.get("architecture")
+    if arch in MODEL_TYPES:
+        return arch
+    if cfg.attention_bias:
+        return "Qwen2ForCausalLM"
+    return "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM"
+
+
+def config_to_hf(cfg: LlamaConfig, architecture: Optional[str] = None) -> dict:
+    """A ``config.json`` dict that transformers (v4 and v5) and :func:`load_target` both read."""
+    arch = architecture or _pick_arch(cfg)
+    out = {"architectures": [arch], "model_type": MODEL_TYPES.get(arch, "llama"), "hidden_act": "silu",
+           "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+           "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+           "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+           "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+           "eos_token_id": cfg.extra.get("eos_token_ids", cfg.eos_token_id)}
+    if cfg.rope_scaling:
+        out["rope_scaling"] = dict(cfg.rope_scaling)
+    if arch == "Qwen2ForCausalLM":
+        types = cfg.layer_types or ["sliding_attention"] * cfg.num_hidden_layers
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=next((i for i, t in enumerate(types) if t == "sliding_attention"), 0))
+        if cfg.sliding_window is not None:
+            out["layer_types"] = list(types)
+    elif cfg.attention_bias:
+        raise ValueError(f"{arch} has no q/k/v-only attention bias; save this model as Qwen2ForCausalLM")
+    elif cfg.sliding_window is not None:
+        if arch != "MistralForCausalLM" or cfg.layer_types is not None:
+            raise ValueError(f"{arch} cannot express this sliding-window layout (per-layer windows need Qwen2)")
+        out["sliding_window"] = cfg.sliding_window
+    return out
+
+
+def _tensors(named: dict[str, Tensor], dtype: Optional[torch.dtype], prefix=lambda n: n) -> dict[str, Tensor]:
+    out = {}
+    for n, t in named.items():
+        t = t.detach().to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        out[prefix(n)] = t.contiguous().clone()  # clone: safetensors refuses shared storage
+    return out
+
+
+def to_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """A torch dtype from its name (float32, bfloat16, float16, or short forms); None is float32."""
+    if isinstance(dtype, torch.dtype) or dtype is None:
+        return dtype or torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported (valid: float32, bfloat16, float16)")
+    return DTYPES[dtype]
+
+
+def _dtype(dtype) -> Optional[torch.dtype]:
+    return None if dtype is None else to_dtype(dtype)
+
+
+def _write(folder: str | Path, config: dict, tensors: dict[str, Tensor]) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def save_target(model: LlamaForCausalLM, tokenizer: Any, folder: str | Path, dtype=None) -> Path:
+    """Write ``model`` (HF keys: model.* and lm_head.weight) and its tokenizer; ``dtype=None`` keeps dtypes."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    config = config_to_hf(cfg)
+    if hasattr(tokenizer, "describe"):
+        config["specpipe_tokenizer"] = tokenizer.describe()
+    elif hasattr(tokenizer, "_tok"):  # HFTokenizer: copy its tokenizer.json
+        tokenizer._tok.save(str(folder / "tokenizer.json"))
+        config["specpipe_tokenizer"] = {"type": "hf", "file": "tokenizer.json",
+                                        "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
+    elif tokenizer is not None:
+        raise TypeError(f"cannot save tokenizer of type {type(tokenizer).__name__} (needs describe())")
+    sd = {n: t for n, t in model.state_dict().items() if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    tensors = _tensors(sd, _dtype(dtype), lambda n: n if n.startswith("lm_head.") else "model." + n)
+    return _write(folder, config, tensors)
+
+
+def save_eagle(head: nn.Module, folder: str | Path, dtype=None) -> Path:
+    """Write an EagleHead (fc.*, layers.N.*) or Eagle3Head (midlayer.*, fc, norm, lm_head, d2t, t2d)."""
+    cfg = head.config
+    if hasattr(head, "midlayer"):  # EAGLE-3
+        config = config_to_hf(cfg)
+        config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                      draft_vocab_size=head.draft_vocab_size,
+                      target_hidden_size=head.fc.in_features // len(head.aux_layers),
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)})
+        if head.midlayer.norm_before_residual:
+            config["norm_before_residual"] = True
+    else:
+        config = config_to_hf(cfg)
+        config.update(num_hidden_layers=len(head.layers), bias=head.fc.bias is not None)
+        if cfg.layer_types is not None:
+            config["layer_types"] = list(cfg.layer_types[:len(head.layers)])
+    return _write(folder, config, _tensors(head.state_dict(), _dtype(dtype)))

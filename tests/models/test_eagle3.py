@@ -1,0 +1,144 @@
+"""EAGLE-3 heads: a random head in the SafeAILab / SpecForge key format loads, drafts and round-trips."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from specpipe.models.attention_batch import extend_batch
+from specpipe.models.eagle3 import Eagle3Head, default_aux_layers
+from specpipe.models.hf import CheckpointError, load_draft, save_eagle
+from specpipe.models.random_tiny import build_random_tiny
+
+H, V, VD, HEADS, KV, HD, INTER = 64, 258, 100, 4, 2, 16, 96
+AUX = [0, 1, 3]
+
+
+def _eagle3_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors with the key names and shapes of an EAGLE-3 checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (VD, H),
+              "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+              "midlayer.post_attention_layernorm.weight": (H,),
+              "midlayer.self_attn.q_proj.weight": (HEADS * HD, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (KV * HD, 2 * H),
+              "midlayer.self_attn.v_proj.weight": (KV * HD, 2 * H), "midlayer.self_attn.o_proj.weight": (H, HEADS * HD),
+              "midlayer.mlp.gate_proj.weight": (INTER, H), "midlayer.mlp.up_proj.weight": (INTER, H),
+              "midlayer.mlp.down_proj.weight": (H, INTER)}
+    sd = {k: (1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else torch.randn(s, generator=g) / s[1] ** 0.5
+          for k, s in shapes.items()}
+    ids = torch.randperm(V, generator=g)[:VD].sort().values  # target ids of the draft vocab
+    sd["d2t"] = ids - torch.arange(VD)
+    sd["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}  # stored as bf16
+
+
+def _config() -> dict:
+    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "vocab_size": V,
+            "draft_vocab_size": VD, "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+            "intermediate_size": INTER, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(target, head folder, raw tensors)."""
+    target = build_random_tiny(num_layers=4).target
+    folder = tmp_path_factory.mktemp("eagle3")
+    sd = _eagle3_tensors()
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(_config()))
+    return target, folder, sd
+
+
+def test_default_aux_layers():
+    assert default_aux_layers(32) == [1, 15, 28]
+    assert default_aux_layers(4) == [1, 1, 0] and default_aux_layers(2) == [1, 0, 0]
+
+
+@torch.no_grad()
+def test_loads_and_drafts(setup):
+    target, folder, sd = setup
+    head = load_draft(folder, target)
+    assert isinstance(head, Eagle3Head) and head.aux_layers == AUX and head.fc.weight.dtype == torch.float32
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
+    final, aux = head.capture(target, ids)
+    assert torch.equal(final, target(ids)) and aux.shape == (2, 7, 3 * H)
+    hidden = head(ids, aux)  # [B, Q, H]
+    for step in range(2):  # the second step feeds the head's own hidden back
+        logits = head.logits(hidden)
+        assert logits.shape == (2, 7, V)
+        finite = torch.isfinite(logits)
+        assert torch.equal(finite.all(0).all(0), sd["t2d"]) and torch.equal(finite.any(0).any(0), sd["t2d"])
+        top = logits.argmax(-1)
+        assert ((top >= 0) & (top < V)).all() and sd["t2d"][top].all()
+        assert torch.equal(top, head.to_target(head.draft_logits(hidden).argmax(-1)))
+        hidden = head(top, hidden)
+
+
+@torch.no_grad()
+def test_single_token_matches_reference(setup):
+    """With one token attention returns v, so the layer is plain matmuls over the checkpoint tensors."""
+    target, folder, sd = setup
+    head = load_draft(folder, target)
+    w = {k: v.float() for k, v in sd.items()}
+    rms = lambda x, g: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g  # noqa: E731
+    tok = torch.tensor([[5]])
+    aux = torch.randn(1, 1, 3 * H, generator=torch.Generator().manual_seed(2))
+    h = aux @ w["fc.weight"].T
+    x = torch.cat((rms(target.embed_tokens(tok), w["midlayer.input_layernorm.weight"]),
+                   rms(h, w["midlayer.hidden_norm.weight"])), -1)
+    v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(1, 1, KV, HD).repeat_interleave(HEADS // KV, 2)
+    h = h + v.reshape(1, 1, HEADS * HD) @ w["midlayer.self_attn.o_proj.weight"].T
+    m = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    h = h + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
+        @ w["midlayer.mlp.down_proj.weight"].T
+    assert (head(tok, aux) - h).abs().max() < 1e-4
+    ref = rms(h, w["norm.weight"]) @ w["lm_head.weight"].T  # [1, 1, VD]
+    assert torch.equal(head.logits(head(tok, aux))[0, 0].argmax(), ref[0, 0].argmax() + sd["d2t"][ref[0, 0].argmax()])
+
+
+@torch.no_grad()
+def test_kv_pool_matches_plain_forward(setup):
+    target, folder, _ = setup
+    head = load_draft(folder, target)
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(3))
+    aux = head.capture(target, ids)[1]  # [1, 9, 3H]
+    plain = head(ids, aux)
+    head.setup_kv(20)
+    table = torch.arange(1, 10)[None]
+    one, rows = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    pre = head(ids[:, :6], aux[:, :6], extend_batch(table, rows, 0 * one, 6 * one, 6, 6))
+    assert (pre - plain[:, :6]).abs().max() < 1e-5
+    for p in range(6, 9):
+        out = head(ids[:, p:p + 1], aux[:, p:p + 1], extend_batch(table, rows, p * one, one, 1, p + 1))
+        assert (out[:, 0] - plain[:, p]).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_save_eagle_round_trip(setup, tmp_path):
+    target, folder, _ = setup
+    head = load_draft(folder, target)
+    save_eagle(head, tmp_path, dtype="float32")
+    again = load_draft(tmp_path, target)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == VD
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(4))
+    aux = head.capture(target, ids)[1]
+    assert again.aux_layers == AUX and torch.equal(again.logits(again(ids, aux)), head.logits(head(ids, aux)))
+
+
+def test_errors(setup, tmp_path):
+    target, _, good = setup
+    (tmp_path / "config.json").write_text(json.dumps(_config()))
+    f = tmp_path / "model.safetensors"
+    cases = [({"d2t": good["d2t"] + V}, "'d2t'"), ({"fc.weight": torch.zeros(H, 2 * H)}, "'fc.weight'"),
+             ({"d2t": None}, "'d2t' is missing"), ({"lm_head.weight": torch.zeros(VD + 1, H)}, "draft_vocab_size=100")]
+    for change, needle in cases:
+        sd = {**good, **change}
+        save_file({k: v for k, v in sd.items() if v is not None}, str(f))
+        with pytest.raises(CheckpointError, match=needle):
+            load_draft(tmp_path, target)

@@ -1,0 +1,98 @@
+"""specpipe's Llama / Mistral / Qwen2 match transformers' logits (fp32, max abs diff <= 1e-4)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specpipe.models.attention_batch import extend_batch
+from specpipe.models.hf import load_hf, load_target, save_target
+from specpipe.models.random_tiny import build_random_tiny
+
+TOL = 1e-4
+T = 20  # sequence length; longer than the Mistral (5) and Qwen2 (6) sliding windows
+
+
+@pytest.fixture(scope="module", params=["llama", "llama3_tied", "mistral_window", "qwen2_window"])
+def checkpoint(request, make_hf_model, tmp_path_factory):
+    """(folder, ids [2, T], reference logits [2, T, V]) of a saved random transformers model."""
+    model = make_hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    ids = torch.randint(0, 300, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    return folder, ids, ref
+
+
+def _pool_logits(target, ids: torch.Tensor, prompt_lens: list[int]) -> torch.Tensor:
+    """Prefill prompts of different lengths through the KV pool, then decode one token per step."""
+    B, L = ids.shape
+    target.setup_kv(B * L + 1)  # slot 0 is the padding sink
+    table = (torch.randperm(B * L, generator=torch.Generator().manual_seed(2)) + 1).view(B, L)  # scattered slots
+    rows, cur = torch.arange(B), torch.tensor(prompt_lens)
+    out = torch.full((B, L, target.config.vocab_size), float("nan"))
+    q = int(cur.max())
+    lg = target.logits(target(ids[:, :q], extend_batch(table, rows, torch.zeros_like(cur), cur, q, q)))
+    for b in range(B):
+        out[b, :cur[b]] = lg[b, :cur[b]]
+    while (cur < L).any():
+        lens = (cur < L).long()  # finished rows become padding
+        tok = ids.gather(1, cur.clamp(max=L - 1)[:, None])  # [B, 1]
+        batch = extend_batch(table, rows, cur, lens, 1, int((cur + lens).max()))
+        lg = target.logits(target(tok, batch))[:, 0]  # [B, V]
+        for b in torch.nonzero(lens).flatten().tolist():
+            out[b, cur[b]] = lg[b]
+        cur = cur + lens
+    return out
+
+
+@torch.no_grad()
+def test_prefill_matches_transformers(checkpoint):
+    folder, ids, ref = checkpoint
+    target = load_target(folder)
+    got = target.logits(target(ids))
+    assert (got - ref).abs().max().item() <= TOL
+
+
+@torch.no_grad()
+def test_kv_pool_matches_transformers(checkpoint):
+    folder, ids, ref = checkpoint
+    target = load_target(folder)
+    got = _pool_logits(target, ids, [7, 3])
+    assert (got - ref).abs().max().item() <= TOL
+
+
+@torch.no_grad()
+def test_sharded_checkpoint_loads(make_hf_model, tmp_path):
+    model = make_hf_model("qwen2_window", seed=3)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(4))
+    target = load_target(tmp_path)
+    assert (target.logits(target(ids)) - model(ids).logits).abs().max().item() <= TOL
+
+
+def test_load_hf_with_tokenizer_and_dtype(make_hf_model, edit_config, tmp_path):
+    model = make_hf_model("llama3_tied", seed=5)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    edit_config(tmp_path, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299})
+    pair = load_hf(tmp_path, dtype="float32")
+    t = pair.target
+    assert pair.draft is None and pair.tokenizer.eos_token_id == 299 and pair.name == tmp_path.name
+    assert t.embed_tokens.weight.dtype == torch.float32 and t.lm_head.weight is t.embed_tokens.weight
+    assert torch.equal(t.embed_tokens.weight, model.model.embed_tokens.weight.float())
+    assert t.config.rope_scaling["rope_type"] == "llama3" and t.config.rope_theta == 5000.0
+    assert load_target(tmp_path, dtype="bfloat16").norm.weight.dtype == torch.bfloat16
+
+
+@torch.no_grad()
+def test_save_target_is_readable_by_transformers(transformers, tmp_path):
+    pair = build_random_tiny(vocab_size=300, tie_word_embeddings=True, seed=6)
+    save_target(pair.target, pair.tokenizer, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(7))
+    ref = model(ids).logits
+    assert (pair.target.logits(pair.target(ids)) - ref).abs().max().item() <= TOL

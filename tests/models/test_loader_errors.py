@@ -1,0 +1,176 @@
+"""Loader round trips and the CheckpointError messages (file + field / tensor) of broken folders."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specpipe.models.eagle import EagleHead
+from specpipe.models.hf import (CheckpointError, load_draft, load_hf, load_target, load_tiny, parse_config, save_eagle,
+                                save_target)
+from specpipe.models.random_tiny import build_random_tiny
+from specpipe.tokenizer import ByteTokenizer, HFTokenizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(pair, target folder, EAGLE head folder) written by save_target / save_eagle."""
+    pair = build_random_tiny()
+    root = tmp_path_factory.mktemp("saved")
+    save_target(pair.target, pair.tokenizer, root / "target")
+    save_eagle(pair.draft, root / "eagle")
+    return pair, root / "target", root / "eagle"
+
+
+@pytest.fixture
+def target_copy(saved, tmp_path):
+    return shutil.copytree(saved[1], tmp_path / "target")
+
+
+def _raises(fn, *parts: str) -> str:
+    with pytest.raises(CheckpointError) as e:
+        fn()
+    msg = str(e.value)
+    for p in parts:
+        assert p in msg, f"{p!r} not in: {msg}"
+    return msg
+
+
+@torch.no_grad()
+def test_round_trip_target_and_eagle(saved):
+    pair, tfolder, efolder = saved
+    loaded = load_hf(tfolder, efolder)
+    ids = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(0))
+    h = pair.target(ids)
+    assert torch.equal(loaded.target(ids), h)
+    assert isinstance(loaded.draft, EagleHead) and isinstance(loaded.tokenizer, ByteTokenizer)
+    assert torch.equal(loaded.draft.logits(loaded.draft(ids, h)), pair.draft.logits(pair.draft(ids, h)))
+    assert loaded.draft.embed_tokens is None and loaded.draft.lm_head is None  # shared from the target
+
+
+def test_dtype_conversion(saved, tmp_path):
+    pair = saved[0]
+    save_target(pair.target, pair.tokenizer, tmp_path, dtype="bfloat16")
+    t = load_target(tmp_path, dtype="float32")
+    assert t.lm_head.weight.dtype == torch.float32
+    assert torch.equal(t.lm_head.weight, pair.target.lm_head.weight.to(torch.bfloat16).float())
+    assert load_target(tmp_path, dtype=torch.float16).embed_tokens.weight.dtype == torch.float16
+
+
+def test_missing_config(tmp_path):
+    _raises(lambda: load_target(tmp_path / "nope"), "nope", "does not exist")
+    _raises(lambda: load_target(tmp_path), str(tmp_path / "config.json"), "not found")
+
+
+def test_missing_weights(target_copy):
+    (target_copy / "model.safetensors").unlink()
+    _raises(lambda: load_target(target_copy), str(target_copy / "model.safetensors"), "no weights")
+
+
+def test_pickle_only_is_refused(target_copy):
+    (target_copy / "model.safetensors").unlink()
+    (target_copy / "pytorch_model.bin").write_bytes(b"not really a pickle")  # must never be opened
+    _raises(lambda: load_target(target_copy), "pytorch_model.bin", "pickle", "execute arbitrary code",
+            "save_file")
+
+
+def test_shape_mismatch(target_copy):
+    f = target_copy / "model.safetensors"
+    sd = load_file(f)
+    sd["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+    save_file(sd, f)
+    _raises(lambda: load_target(target_copy), str(f), "model.layers.1.self_attn.k_proj.weight", "[16, 64]",
+            "[32, 64]", "num_key_value_heads=2")
+
+
+def test_missing_and_unexpected_tensor(target_copy):
+    f = target_copy / "model.safetensors"
+    sd = load_file(f)
+    sd["model.layers.0.mlp.extra.weight"] = sd.pop("model.norm.weight")
+    save_file(sd, f)
+    _raises(lambda: load_target(target_copy), str(f), "'model.norm.weight' is missing")
+    sd["model.norm.weight"] = torch.ones(64)
+    save_file(sd, f)
+    _raises(lambda: load_target(target_copy), str(f), "unexpected tensor 'model.layers.0.mlp.extra.weight'")
+
+
+def test_config_errors(target_copy, edit_config):
+    cfg = str(target_copy / "config.json")
+    edit_config(target_copy, architectures=["GPT2LMHeadModel"])
+    _raises(lambda: load_target(target_copy), cfg, "'architectures'", "GPT2LMHeadModel", "LlamaForCausalLM")
+    edit_config(target_copy, architectures=["LlamaForCausalLM"], hidden_size=None)
+    _raises(lambda: load_target(target_copy), cfg, "'hidden_size' is missing")
+    edit_config(target_copy, hidden_size=64, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.rope_type'", "yarn")
+    (target_copy / "config.json").write_text("{not json")
+    _raises(lambda: load_target(target_copy), cfg, "not valid JSON")
+
+
+def test_missing_shard(target_copy):
+    (target_copy / "model.safetensors").rename(target_copy / "model-00001-of-00002.safetensors")
+    (target_copy / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    _raises(lambda: load_target(target_copy), "model.safetensors.index.json", "model-00002-of-00002.safetensors")
+
+
+def test_tokenizers(target_copy, edit_config):
+    from tokenizers import Tokenizer, models
+
+    edit_config(target_copy, specpipe_tokenizer=None)
+    _raises(lambda: load_hf(target_copy), "tokenizer.json", "specpipe_tokenizer")
+    Tokenizer(models.WordLevel({"[unk]": 0, "hi": 1}, unk_token="[unk]")).save(str(target_copy / "tokenizer.json"))
+    tok = load_hf(target_copy).tokenizer
+    assert isinstance(tok, HFTokenizer) and tok.eos_token_id == 257
+    edit_config(target_copy, specpipe_tokenizer={"type": "sentencepiece"})
+    _raises(lambda: load_hf(target_copy), "'specpipe_tokenizer'", "sentencepiece")
+
+
+def test_eagle_head_errors(saved, tmp_path, edit_config):
+    pair, _, efolder = saved
+    head = shutil.copytree(efolder, tmp_path / "eagle")
+    edit_config(head, vocab_size=300)
+    _raises(lambda: load_draft(head, pair.target), str(head / "config.json"), "'vocab_size' is 300", "258")
+    edit_config(head, vocab_size=258)
+    f = head / "model.safetensors"
+    sd = load_file(f)
+    sd["fc.weight"] = torch.zeros(64, 64)
+    sd["embed_tokens.weight"] = torch.zeros(258, 64)  # an own embedding is fine
+    save_file(sd, f)
+    _raises(lambda: load_draft(head, pair.target), str(f), "'fc.weight'", "[64, 64]", "[64, 128]")
+    sd["fc.weight"] = torch.zeros(64, 128)
+    sd["layers.0.input_layernorm.weight"] = torch.ones(64)  # EAGLE-1/2 layer 0 has no input norm
+    save_file(sd, f)
+    _raises(lambda: load_draft(head, pair.target), "unexpected tensor 'layers.0.input_layernorm.weight'")
+    del sd["layers.0.input_layernorm.weight"]
+    save_file(sd, f)
+    assert load_draft(head, pair.target).embed_tokens is not None
+
+
+def test_parse_config_variants():
+    base = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96)
+    f = Path("x/config.json")
+    rope = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    v4 = parse_config({**base, "architectures": ["LlamaForCausalLM"], "rope_theta": 5e5, "rope_scaling": rope}, f)
+    v5 = parse_config({**base, "model_type": "llama", "rope_parameters": {**rope, "rope_theta": 5e5}}, f)
+    assert v4.rope_theta == v5.rope_theta == 5e5 and v4.rope_scaling == v5.rope_scaling == rope
+    assert v4.num_key_value_heads == 4 and v4.head_dim == 16 and not v4.attention_bias
+    qwen = parse_config({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                         "sliding_window": 8, "max_window_layers": 2, "eos_token_id": [7, 9]}, f)
+    assert qwen.attention_bias and [qwen.window_of(i) for i in range(4)] == [None, None, 8, 8]
+    assert qwen.eos_token_id == 7 and qwen.extra["eos_token_ids"] == [7, 9]
+    qwen_off = parse_config({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8}, f)
+    assert qwen_off.sliding_window is None
+    mistral = parse_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 8}, f)
+    assert [mistral.window_of(i) for i in range(4)] == [8] * 4
+
+
+def test_load_tiny_assets():
+    try:
+        pair = load_tiny()
+    except CheckpointError as e:  # the trained pair is not built in this checkout
+        assert "train_tiny.py" in str(e)
+    else:
+        assert pair.name == "tiny" and pair.draft is not None
