@@ -1,0 +1,214 @@
+"""Sliding-window (SWA) hybrid allocator: full-attention layers keep every token, SWA layers only
+the last ``window`` tokens, in a second (smaller) pool.
+
+The engine only ever sees *full* slots; SWA layers translate them with ``translate`` through
+``mapping`` (0 = no SWA slot, 0 being the padding slot in both pools; a trailing -1 makes
+``mapping[-1] == -1`` so a fresh request's ``last_loc = -1`` translates to -1). Both pools are
+allocated with identical lengths, so the page count is computed once and passed to both as
+``num_new_pages``, and capacity is checked on *both* before either allocates: unlike sglang, a
+failed ``alloc_decode`` leaks nothing (kv_allocators.md §3, §6 item 5).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from specpipe.allocators.base import KVAllocator, num_new_pages as count_new_pages
+from specpipe.allocators.paged import PagedAllocator, count_decode_pages
+
+
+class PairedAllocator(KVAllocator):
+    """A primary paged allocator whose slots map to slots of a peer allocator (same page size).
+
+    Shared by SWA (full -> window pool) and HiSparse (logical -> device pool). A primary page maps
+    to one peer page with equal in-page offsets, so peer frees stay page-granular.
+    """
+
+    def __init__(self, primary: PagedAllocator, peer: PagedAllocator, debug: bool = False):
+        self.primary, self.peer = primary, peer
+        self.page_size = primary.page_size
+        self.num_pages = primary.num_pages
+        self.device = primary.device
+        self.debug = debug
+        self.mapping = torch.zeros(primary.pool_slots + 1, dtype=torch.int64,
+                                   device=self.device)  # [pool_slots + 1] primary -> peer slot
+        self.clear()
+
+    # ---- sizes / state ------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return min(self.primary.size, self.peer.size)
+
+    @property
+    def pool_slots(self) -> int:
+        return self.primary.pool_slots
+
+    def available(self) -> int:
+        return min(self.primary.available(), self.peer.available())
+
+    def clear(self) -> None:
+        self.primary.clear()
+        self.peer.clear()
+        self.mapping.zero_()
+        self.mapping[-1] = -1
+        self._group = None
+
+    def backup_state(self):
+        return self.primary.backup_state(), self.peer.backup_state()
+
+    def restore_state(self, state) -> None:
+        """O(1) rebind of both free lists. The mapping is not rolled back; instead the pages the
+        restore hands back (the front of the restored primary list) get their entries zeroed, which
+        is exact for the scratch pattern backup -> allocs -> restore (EAGLE v1 draft slots)."""
+        primary_state, peer_state = state
+        k = primary_state.numel() - self.primary.free_pages.numel()
+        if k > 0:
+            self._zero_pages(primary_state[:k])
+        self.primary.restore_state(primary_state)
+        self.peer.restore_state(peer_state)
+
+    def translate(self, slots: Tensor) -> Tensor:
+        """Peer slots of primary slots ([N] -> [N]); 0 = none, -1 -> -1."""
+        return self.mapping[slots]
+
+    # ---- helpers for subclasses -----------------------------------------------------------
+    def _fits(self, pages: int, on_peer: bool = True) -> bool:
+        """Capacity of both sides, checked before either side allocates."""
+        fits = pages <= self.primary.free_pages.numel()
+        return fits and (not on_peer or pages <= self.peer.free_pages.numel())
+
+    def _counts(self, prefix_lens: Tensor, seq_lens: Tensor, num_new_pages: Optional[int],
+                extend_num_tokens: Optional[int]) -> tuple[int, int]:
+        """(pages, tokens) of an extend, counted once here (one host sync each at most)."""
+        if extend_num_tokens is None:
+            extend_num_tokens = int((seq_lens - prefix_lens).sum().item())
+        if num_new_pages is None:
+            ps = self.page_size
+            num_new_pages = extend_num_tokens if ps == 1 else count_new_pages(prefix_lens, seq_lens, ps)
+        return num_new_pages, extend_num_tokens
+
+    def _decode_pages(self, seq_lens: Tensor, num_new_pages: Optional[int]) -> int:
+        if num_new_pages is not None:
+            return num_new_pages
+        ps = self.page_size
+        return seq_lens.numel() if ps == 1 else count_decode_pages(seq_lens, ps)
+
+    def _zero_pages(self, pages: Tensor) -> None:
+        """Clears the mapping of every slot of the given primary pages ([P])."""
+        ps = self.page_size
+        slots = pages[:, None] * ps + torch.arange(ps, device=self.device)  # [P, ps]
+        self.mapping[slots.reshape(-1)] = 0
+
+    def _free_peer(self, slots: Tensor) -> None:
+        """Frees the peer pages of ``slots`` and zeroes their whole pages' mapping (idempotent)."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(torch.int64)                                     # [N]
+        peer = self.mapping[slots]                                        # [N]
+        peer = peer[peer > 0]
+        self._zero_pages(slots // self.page_size)
+        if peer.numel():
+            self.peer.free(peer)
+        if self.debug and self.peer.available() > self.peer.size:
+            raise AssertionError("peer pool over-freed: available > size")
+
+
+class SWAAllocator(PairedAllocator):
+    """Full pool + window pool. Hands out full slots; ``translate`` gives the window-pool slots.
+
+    Example (ps 4, window 8): a request at seq_len 30 keeps window slots for positions >= 22;
+    ``evict_outside_window`` frees positions [0, 16) (30 - 8 - 4 = 18, floored to a page).
+    """
+
+    capabilities = frozenset({"alloc_extend", "alloc_decode", "num_new_pages", "backup_state",
+                              "window_evict"})
+
+    def __init__(self, num_slots: int, page_size: int = 1, window: int = 4096,
+                 swa_num_slots: Optional[int] = None, device: str | torch.device = "cpu",
+                 debug: bool = False, kernels: str = "torch"):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        full = PagedAllocator(num_slots, page_size, device, debug, kernels)
+        swa = PagedAllocator(num_slots if swa_num_slots is None else swa_num_slots, page_size,
+                             device, debug, kernels)
+        super().__init__(full, swa, debug)
+        self.full, self.swa = full, swa
+
+    @property
+    def swa_pool_slots(self) -> int:
+        return self.swa.pool_slots
+
+    def full_available(self) -> int:
+        return self.full.available()
+
+    def swa_available(self) -> int:
+        return self.swa.available()
+
+    # ---- alloc --------------------------------------------------------------------------
+    def alloc(self, n: int) -> Optional[Tensor]:
+        """n slots (a multiple of page_size) in both pools; returns the full ones ([n])."""
+        if n % self.page_size:
+            raise ValueError(f"alloc({n}) must be a multiple of page_size={self.page_size}")
+        if not self._fits(n // self.page_size):
+            return None
+        full = self.full.alloc(n)                    # [n]
+        self.mapping[full] = self.swa.alloc(n)
+        return full
+
+    def alloc_extend(self, prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor,
+                     num_new_pages: Optional[int] = None, extend_num_tokens: Optional[int] = None
+                     ) -> Optional[Tensor]:
+        """Same contract as PagedAllocator.alloc_extend; the pages are counted once for both."""
+        n, t = self._counts(prefix_lens, seq_lens, num_new_pages, extend_num_tokens)
+        if not self._fits(n):
+            return None
+        swa_last = self.mapping[last_loc]            # [B]
+        full = self.full.alloc_extend(prefix_lens, seq_lens, last_loc, n, t)        # [T]
+        self.mapping[full] = self.swa.alloc_extend(prefix_lens, seq_lens, swa_last, n, t)
+        return full
+
+    def alloc_decode(self, seq_lens: Tensor, last_loc: Tensor,
+                     num_new_pages: Optional[int] = None) -> Optional[Tensor]:
+        """One full slot per request ([B]); None with neither pool touched when either is short."""
+        n = self._decode_pages(seq_lens, num_new_pages)
+        if not self._fits(n):
+            return None
+        swa_last = self.mapping[last_loc]            # [B]
+        full = self.full.alloc_decode(seq_lens, last_loc, n)                        # [B]
+        self.mapping[full] = self.swa.alloc_decode(seq_lens, swa_last, n)
+        return full
+
+    # ---- free ---------------------------------------------------------------------------
+    def _free_now(self, slots: Tensor) -> None:
+        """Full pages and whatever window pages they still hold; safe after ``free_swa``."""
+        self._free_peer(slots)
+        self.full.free(slots)
+
+    def free_swa(self, full_slots: Tensor) -> None:
+        """Frees the window-pool pages of ``full_slots`` ([N]); a second call is a no-op."""
+        self._free_peer(full_slots)
+
+    def evict_outside_window(self, req_to_token: Tensor, seq_lens: Tensor, evicted_lens: Tensor,
+                             protected_lens: Optional[Tensor] = None) -> Tensor:
+        """Frees window-pool pages of tokens that left the window; returns new evicted lengths.
+
+        Args:
+            req_to_token: [B, W] full slots of each request by position (W >= seq_lens).
+            seq_lens: [B] current lengths. evicted_lens: [B] prefix already evicted (page-aligned).
+            protected_lens: [B] prefix owned by a prefix cache, which frees it itself.
+        Returns:
+            [B] new evicted lengths. The range freed is [ceil_page(max(evicted, protected)),
+            floor_page(seq - window - ps)): whole pages only (paged frees release whole pages),
+            with one spare page kept behind the window as sglang does for tree insertion.
+        """
+        ps = self.page_size
+        old = evicted_lens if protected_lens is None else torch.maximum(evicted_lens, protected_lens)
+        old = (old + ps - 1) // ps * ps                                  # [B]
+        new = (seq_lens - self.window - ps).clamp(min=0) // ps * ps      # [B]
+        cols = torch.arange(req_to_token.shape[1], device=req_to_token.device)  # [W]
+        mask = (cols >= old[:, None]) & (cols < new[:, None])            # [B, W]
+        self.free_swa(req_to_token[mask])
+        return torch.where(new > old, new, evicted_lens)
