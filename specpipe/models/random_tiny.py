@@ -14,8 +14,15 @@ from specpipe.tokenizer import ByteTokenizer
 def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                       num_kv_heads: int = 2, intermediate_size: int = 128, max_position: int = 2048,
                       tie_word_embeddings: bool = False, init_std: float = 0.5, seed: int = 0,
+                      residual_scale: float = 0.1, aligned_draft: bool = True,
                       dtype: str = "float32", device: str = "cpu", draft_path: Optional[str] = None) -> ModelPair:
-    """Random weights with a large init scale so logits are far from uniform (few argmax ties)."""
+    """Random weights with a large init scale so logits are far from uniform (few argmax ties).
+
+    `residual_scale` shrinks every block's output projections so the residual stream stays close
+    to the token embedding; with `aligned_draft` the head's fc passes the embedding through. The
+    draft then agrees with the target often but not always, so tests see accepted and rejected
+    tree paths (a fully random head would accept almost nothing).
+    """
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                       intermediate_size=intermediate_size, max_position_embeddings=max_position,
@@ -30,6 +37,16 @@ def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: 
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=gen) * init_std / max(1, p.shape[-1]) ** 0.5
                         if p.dim() > 1 else torch.randn(p.shape, generator=gen) * 0.02)
+    with torch.no_grad():
+        for module in (target, draft):
+            for name, p in module.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(residual_scale)
+        if aligned_draft:
+            h = hidden_size
+            draft.fc.weight[:, :h] = torch.eye(h)
+            draft.fc.weight[:, h:] *= 0.1
+            draft.fc.bias.zero_()
     dt = getattr(torch, dtype)
     target.to(device=device, dtype=dt).eval()
     draft.to(device=device, dtype=dt).eval()

@@ -1,0 +1,30 @@
+# specpipe: `make run` sets up .venv and decodes with the embedded default; `make test` runs the suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
+
+.PHONY: run test train-tiny bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m specpipe $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+train-tiny: $(STAMP)
+	$(PY) scripts/train_tiny.py $(ARGS)
+
+bench: $(STAMP)
+	$(PY) scripts/bench_e2e.py
+	$(PY) scripts/bench_alloc.py
+	$(PY) scripts/bench_draft_topk.py
+
+clean:
+	rm -rf build outputs multirun .pytest_cache

@@ -1,0 +1,149 @@
+"""Check command-line overrides before Hydra starts, and reword its errors as one paragraph.
+
+Hydra's own errors print with exit code 1; specpipe promises exit code 2 and a message that
+names the bad value and what would be valid. Composing each override combination up front
+(cheap: no torch work) also means a multirun with one bad point fails before any job runs.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import Optional
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
+                    "--config-dir", "-cd", "--experimental-rerun"}
+SKIP_FLAGS = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--config-name", "-cn",
+              "--config-path", "-cp", "--config-dir", "-cd", "--shell-completion", "-sc", "--version"}
+
+
+def group_options(group: str) -> list[str]:
+    d = CONF_DIR / group
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(overrides, multirun, skip): skip when Hydra is asked for help/info or a different config."""
+    overrides, multirun, skip, i = [], False, False, 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "--multirun"):
+            multirun = True
+        elif a.split("=")[0] in SKIP_FLAGS:
+            skip = True
+            if a in FLAGS_WITH_VALUE:
+                i += 1
+        elif a in FLAGS_WITH_VALUE:
+            i += 1
+        elif not a.startswith("-"):
+            overrides.append(a)
+        i += 1
+    return overrides, multirun, skip
+
+
+def reword(exc: Exception, overrides: list[str]) -> str:
+    """One paragraph naming the bad key/value and what would be valid."""
+    msg = str(exc)
+    bad = next((o for o in overrides if "(" in o and "=" in o), None)
+    if "Error parsing override" in msg and bad is not None:
+        key, val = bad.split("=", 1)
+        return (f"specpipe: invalid override {bad}: the command line treats parentheses and commas specially, "
+                f"so quote a policy expression with options, e.g. '{key}=\"{val}\"' (valid policies: eager, "
+                f"compile, compile(dynamic=false, fullgraph=true, mode=...), graph, auto).")
+    msg = re.sub(r"\s*Set the environment variable HYDRA_FULL_ERROR=1.*", "", msg, flags=re.S).strip()
+    m = re.search(r"Could not (?:find|load) '([\w/]+)/([^']+)'", msg)
+    if m:
+        group, opt = m.group(1), m.group(2)
+        return (f"specpipe: invalid override {group}={opt}: config group '{group}' has no option '{opt}' "
+                f"(valid: {', '.join(group_options(group))}).")
+    m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", msg) or \
+        re.search(r"Could not override '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+        full = next((o.split("=")[0].lstrip("+~") for o in overrides if key in o.split("=")[0]), key)
+        valid = valid_keys(full)
+        hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
+        return (f"specpipe: invalid override: '{full}' is not a configuration key{hint}. "
+                f"Use `python -m specpipe --cfg job` to see every key.")
+    m = re.search(r"full_key: ([\w.]+)", msg)
+    first = " ".join(line.strip() for line in msg.splitlines() if line.strip() and not line.strip().startswith(
+        ("full_key", "object_type", "reference_type")))
+    if m:
+        return f"specpipe: invalid value for {m.group(1)}: {first}."
+    return f"specpipe: invalid override: {first}"
+
+
+def valid_keys(dotted: str) -> list[str]:
+    """Keys of the parent node of a dotted key in the default config (for 'did you mean' lists)."""
+    try:
+        cfg = compose_config([])
+    except Exception:
+        return []
+    parent = dotted.rsplit(".", 1)[0] if "." in dotted else ""
+    node = cfg
+    for part in parent.split(".") if parent else []:
+        if part not in node:
+            return []
+        node = node[part]
+    try:
+        return sorted(k for k in node.keys() if k != "_target_")
+    except AttributeError:
+        return []
+
+
+def compose_config(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specpipe.schema import register_schemas
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def expand(overrides: list[str], limit: int = 64) -> list[list[str]]:
+    """Override lists for the sweep's points (all of them when few, else each value once)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for o in parsed:
+        key = o.get_key_element()
+        vals = [f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        choices.append(vals)
+    total = 1
+    for c in choices:
+        total *= len(c)
+    if total <= limit:
+        return [list(p) for p in itertools.product(*choices)]
+    firsts = [c[0] for c in choices]
+    return [firsts[:i] + [v] + firsts[i + 1:] for i, c in enumerate(choices) for v in c]
+
+
+def precheck(argv: list[str]) -> Optional[str]:
+    """The reworded error for the first bad override combination, or None when all compose and validate."""
+    overrides, multirun, skip = split_args(argv)
+    if skip:
+        return None
+    own = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        combos = expand(own) if multirun else [own]
+    except Exception as e:
+        return reword(e, own)
+    from specpipe.errors import ConfigError
+    from specpipe.validate import validate
+
+    for combo in combos:
+        try:
+            cfg = compose_config(combo)
+        except Exception as e:
+            return reword(e, combo)
+        if not multirun:
+            try:
+                validate(cfg)
+            except ConfigError as e:
+                return str(e)
+    return None

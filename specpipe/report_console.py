@@ -1,0 +1,37 @@
+"""The short summary table printed at the end of a run."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def print_summary(m: dict, out_dir: Optional[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = m["config"]
+    d = c["draft"]
+    shape = "draft=none" if d["method"] == "none" else \
+        f"eagle topk={d['topk']} steps={d['num_steps']} tokens={d['num_draft_tokens']}"
+    t = Table(title=f"specpipe: {shape}, allocator={c['allocator']['_target_'].rsplit('.', 1)[-1]}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    al = m["accept_length_mean"]
+    rows = [
+        ("requests (errors)", f"{m['num_requests']} ({m['num_errors']})"),
+        ("generated tokens", str(m["generated_tokens"])),
+        ("wall time", f"{m['wall_s']:.2f} s"),
+        ("tokens/s", f"{m['tokens_per_s']:.1f}"),
+        ("acceptance length", "-" if al is None else f"{al:.2f}"),
+        ("acceptance per position", ", ".join(f"{x:.2f}" for x in m["acceptance_rate_per_position"])),
+        ("verify steps", str(m["num_verify_steps"])),
+        ("recompiles", str(m["recompiles"])),
+        ("leaked KV slots", str(m["kv_leaked_slots"])),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    hm = m["stage_host_ms"]
+    t.add_row("ms per step", ", ".join(f"{k} {v:.2f}" for k, v in hm.items()))
+    con = Console()
+    con.print(t)
+    if out_dir:
+        con.print(f"outputs: {out_dir}/metrics.json, {out_dir}/completions.jsonl")

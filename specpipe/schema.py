@@ -1,0 +1,197 @@
+"""Typed config schemas: the source of truth for every config group.
+
+Each YAML under conf/<group>/ lists `base_<name>` in its defaults and holds values only; the
+class it builds (`_target_`) lives here, never in user YAML. Composing a config imports no
+device backend: targets are qualnames resolved only when `build()` runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+# ---- device -----------------------------------------------------------------------------
+@dataclass
+class DeviceConf:
+    _target_: str = "specpipe.devices.cpu.CpuDevice"
+    dtype: str = "float32"  # float32 | float64 | bfloat16 | float16
+    index: int = 0  # accelerator index (cuda:N / npu:N)
+
+
+@dataclass
+class CpuDeviceConf(DeviceConf):
+    _target_: str = "specpipe.devices.cpu.CpuDevice"
+
+
+@dataclass
+class CudaDeviceConf(DeviceConf):
+    _target_: str = "specpipe.devices.cuda.CudaDevice"
+
+
+@dataclass
+class NpuDeviceConf(DeviceConf):
+    _target_: str = "specpipe.devices.npu.NpuDevice"
+
+
+# ---- allocator --------------------------------------------------------------------------
+@dataclass
+class AllocatorConf:
+    _target_: str = MISSING
+    num_slots: int = 32768  # usable KV slots shared by all running requests
+    page_size: int = 1
+    debug: bool = False  # verify caller-passed page counts (slower)
+
+
+@dataclass
+class TokenAllocatorConf(AllocatorConf):
+    _target_: str = "specpipe.allocators.token.TokenAllocator"
+
+
+@dataclass
+class PagedAllocatorConf(AllocatorConf):
+    _target_: str = "specpipe.allocators.paged.PagedAllocator"
+    page_size: int = 16
+
+
+# ---- model ------------------------------------------------------------------------------
+@dataclass
+class ModelConf:
+    _target_: str = MISSING
+    dtype: Optional[str] = None  # None: the device's dtype
+
+
+@dataclass
+class RandomTinyModelConf(ModelConf):
+    _target_: str = "specpipe.models.random_tiny.build_random_tiny"
+    vocab_size: int = 258
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position: int = 2048
+    tie_word_embeddings: bool = False
+    init_std: float = 0.5
+    seed: int = 0
+    residual_scale: float = 0.1  # small: the target stays close to its embedding, so the draft can agree
+    aligned_draft: bool = True  # the head's fc passes the token embedding through (non-trivial acceptance)
+
+
+@dataclass
+class HFModelConf(ModelConf):
+    _target_: str = "specpipe.models.hf.load_hf"
+    path: str = MISSING  # folder with config.json + *.safetensors
+
+
+@dataclass
+class TinyModelConf(ModelConf):
+    _target_: str = "specpipe.models.hf.load_tiny"
+
+
+# ---- draft ------------------------------------------------------------------------------
+@dataclass
+class DraftConf:
+    method: str = "eagle"  # eagle | none
+    topk: int = 4  # candidates per expansion (branching factor)
+    num_steps: int = 3  # draft depth = draft forwards per round
+    num_draft_tokens: int = 8  # tree nodes verified per request, root included
+    path: Optional[str] = None  # EAGLE head folder (None: the model's own head)
+
+
+@dataclass
+class EagleDraftConf(DraftConf):
+    method: str = "eagle"
+
+
+@dataclass
+class NoDraftConf(DraftConf):
+    method: str = "none"
+    topk: int = 1
+    num_steps: int = 1
+    num_draft_tokens: int = 2
+
+
+# ---- compile policy ---------------------------------------------------------------------
+@dataclass
+class DraftTopKPolicy:
+    first: str = "eager"  # step 0: flatten top-k, expand hidden states
+    later: str = "eager"  # steps >= 1: expand scores, top-k over K*K, gather
+    fused: bool = False  # one function with the step branch inside (pre-split baseline), policy = `later`
+
+
+@dataclass
+class BuildTreePolicy:
+    build: str = "eager"
+
+
+@dataclass
+class VerifyPolicy:
+    target_forward: str = "eager"
+    greedy: str = "eager"
+
+
+@dataclass
+class DraftForwardPolicy:
+    decode: str = "eager"  # one draft step over B*K branch tokens
+    extend: str = "eager"  # draft over the committed tokens (prefill and after verify)
+
+
+@dataclass
+class CompileConf:
+    draft_topk: DraftTopKPolicy = field(default_factory=DraftTopKPolicy)
+    build_tree: BuildTreePolicy = field(default_factory=BuildTreePolicy)
+    verify: VerifyPolicy = field(default_factory=VerifyPolicy)
+    draft_forward: DraftForwardPolicy = field(default_factory=DraftForwardPolicy)
+
+
+# ---- workload ---------------------------------------------------------------------------
+@dataclass
+class WorkloadConf:
+    prompts_file: Optional[str] = None  # JSON lines with a "prompt" field; None: built-in prompts
+    prompt_set: str = "code"  # built-in set when no file is given
+    num_prompts: Optional[int] = None  # cap on the number of prompts (None: all)
+    max_new_tokens: int = 64
+    batch_size: int = 4  # requests decoded together
+
+
+# ---- root -------------------------------------------------------------------------------
+@dataclass
+class Config:
+    device: Any = MISSING
+    allocator: Any = MISSING
+    model: Any = MISSING
+    draft: Any = MISSING
+    compile: Any = MISSING
+    workload: Any = MISSING
+    seed: int = 0
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "device": {"cpu": CpuDeviceConf, "cuda": CudaDeviceConf, "npu": NpuDeviceConf},
+    "allocator": {"token": TokenAllocatorConf, "paged": PagedAllocatorConf},
+    "model": {"random_tiny": RandomTinyModelConf, "hf": HFModelConf, "tiny": TinyModelConf},
+    "draft": {"eagle": EagleDraftConf, "none": NoDraftConf},
+    "compile": {"policy": CompileConf},
+    "workload": {"workload": WorkloadConf},
+}
+
+
+def default_draft_tokens(topk: int, num_steps: int, budget: int = 8) -> int:
+    """Tree size when the user sets none: the largest tree the shape allows, capped at `budget` nodes."""
+    most = num_steps + 1 if topk <= 1 else 1 + topk + (num_steps - 1) * topk * topk
+    return max(2, min(budget, most))
+
+
+def register_schemas() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("specpipe.draft_tokens"):
+        OmegaConf.register_new_resolver("specpipe.draft_tokens", lambda k, s: default_draft_tokens(int(k), int(s)))
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=f"base_{name}", node=node)

@@ -1,0 +1,26 @@
+"""Stages declare their branches; the compile policy decides how each branch runs.
+
+`@branch` only tags a method. `Stage.bind(wrap)` replaces each branch with `wrap(stage, branch, fn)`,
+once, at pipeline build time. Branch bodies are pure tensor code: no `.item()`, no allocator
+calls, no Python state, so any of them can be compiled or graph-captured.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+def branch(fn: Callable) -> Callable:
+    fn.__specpipe_branch__ = True
+    return fn
+
+
+class Stage:
+    name = "stage"
+
+    @classmethod
+    def branch_names(cls) -> list[str]:
+        return sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__specpipe_branch__", False))
+
+    def bind(self, wrap: Callable[[str, str, Callable], Callable]) -> None:
+        for b in self.branch_names():
+            setattr(self, b, wrap(self.name, b, getattr(self, b)))

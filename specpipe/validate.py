@@ -1,0 +1,123 @@
+"""validate(cfg): every cross-field rule, checked before any model is built; all problems reported at once."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from specpipe.build import check_target
+from specpipe.compile_policy import PolicyError, parse_policy
+from specpipe.errors import ConfigError
+from specpipe.workload import PROMPT_SETS
+
+DRAFT_METHODS = ("eagle", "none")
+DEVICE_MODES = {  # policy modes each device can run (or translate); kept here so validation imports no backend
+    "specpipe.devices.cpu.CpuDevice": {"eager", "compile"},
+    "specpipe.devices.cuda.CudaDevice": {"eager", "compile", "graph"},
+    "specpipe.devices.npu.NpuDevice": {"eager", "compile", "graph"},
+}
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def _targets(node, where: str, errors: list) -> None:
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            err = check_target(node.get("_target_"), where)
+            if err:
+                errors.append(err)
+        for k in node.keys():
+            _targets(node.get(k), f"{where}.{k}" if where else str(k), errors)
+
+
+def _draft(d, errors: list) -> None:
+    if d.method not in DRAFT_METHODS:
+        errors.append(f"draft.method={d.method!r} is unknown (valid: {', '.join(DRAFT_METHODS)})")
+        return
+    for key in ("topk", "num_steps"):
+        if d[key] < 1:
+            errors.append(f"draft.{key}={d[key]} must be >= 1")
+    if d.num_draft_tokens < 2:
+        errors.append(f"draft.num_draft_tokens={d.num_draft_tokens} must be >= 2 (the root plus at least one draft)")
+    if min(d.topk, d.num_steps) < 1 or d.num_draft_tokens < 2 or d.method == "none":
+        return
+    K, S, N = d.topk, d.num_steps, d.num_draft_tokens
+    most = K + (S - 1) * K * K
+    if N - 1 > most:
+        errors.append(f"draft.num_draft_tokens={N} is too large for topk={K}, num_steps={S}: the tree has at most "
+                      f"topk + (num_steps-1)*topk^2 = {most} candidates, so num_draft_tokens must be <= {most + 1}")
+    if K == 1 and N > S + 1:
+        errors.append(f"draft.num_draft_tokens={N} with topk=1 must be <= num_steps+1 = {S + 1} (a chain of "
+                      f"num_steps drafts plus the root)")
+
+
+def _compile(cfg, errors: list) -> None:
+    modes = DEVICE_MODES.get(cfg.device.get("_target_"), {"eager", "compile"})
+    for stage, branches in cfg.compile.items():
+        for br, text in branches.items():
+            if isinstance(text, bool):
+                continue
+            try:
+                pol = parse_policy(text)
+            except PolicyError as e:
+                errors.append(f"compile.{stage}.{br}: {e}")
+                continue
+            if pol.mode not in modes and pol.mode != "auto":
+                dev = cfg.device.get("_target_", "").rsplit(".", 1)[-1]
+                errors.append(f"compile.{stage}.{br}={text!r}: device {dev} cannot run mode {pol.mode!r} "
+                              f"(valid on this device: {', '.join(sorted(modes | {'auto'}))})")
+
+
+def validate(cfg: DictConfig) -> None:
+    errors: list[str] = []
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        if not key.startswith("hydra"):
+            errors.append(f"{key} is required but not set (add {key}=VALUE to the command line)")
+    if errors:
+        raise ConfigError(errors)
+    _targets(cfg, "", errors)
+    if cfg.device.dtype not in DTYPES:
+        errors.append(f"device.dtype={cfg.device.dtype!r} is unknown (valid: {', '.join(DTYPES)})")
+    if cfg.model.get("dtype") is not None and cfg.model.dtype not in DTYPES:
+        errors.append(f"model.dtype={cfg.model.dtype!r} is unknown (valid: {', '.join(DTYPES)} or null)")
+    _draft(cfg.draft, errors)
+    _compile(cfg, errors)
+    w = cfg.workload
+    if w.max_new_tokens < 1:
+        errors.append(f"workload.max_new_tokens={w.max_new_tokens} must be >= 1")
+    if w.batch_size < 1:
+        errors.append(f"workload.batch_size={w.batch_size} must be >= 1")
+    if w.num_prompts is not None and w.num_prompts < 1:
+        errors.append(f"workload.num_prompts={w.num_prompts} must be >= 1 or null (all prompts)")
+    if w.prompts_file is None and w.prompt_set not in PROMPT_SETS:
+        errors.append(f"workload.prompt_set={w.prompt_set!r} is unknown (valid: {', '.join(PROMPT_SETS)})")
+    if w.prompts_file is not None and not Path(w.prompts_file).is_file():
+        errors.append(f"workload.prompts_file={w.prompts_file!r} is not a readable file (give a JSON-lines "
+                      f'file with one {{"prompt": "..."}} per line)')
+    a = cfg.allocator
+    ps = a.page_size
+    if ps < 1 or ps & (ps - 1):
+        errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, ..., 64)")
+    elif a.num_slots < 1:
+        errors.append(f"allocator.num_slots={a.num_slots} must be positive")
+    else:
+        need = one_request_slots(cfg)
+        if a.num_slots < need:
+            errors.append(f"allocator.num_slots={a.num_slots} is smaller than one request needs ({need} slots for "
+                          f"max_new_tokens={w.max_new_tokens} plus draft and verify space at page_size={ps}); "
+                          f"use allocator.num_slots>={need}")
+    if cfg.seed < 0:
+        errors.append(f"seed={cfg.seed} must be >= 0")
+    if errors:
+        raise ConfigError(errors)
+
+
+def one_request_slots(cfg) -> int:
+    """KV slots one request needs beyond its prompt: its new tokens, one verify tree and draft scratch."""
+    d, ps = cfg.draft, cfg.allocator.page_size
+    extra = 2 if d.method == "none" else d.num_draft_tokens + d.topk * max(0, d.num_steps - 1)
+    tokens = cfg.workload.max_new_tokens + extra
+    return (-(-tokens // ps) + 2) * ps
+
+
+def to_container(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)

@@ -1,0 +1,65 @@
+"""Prompts: a built-in set or a JSON-lines file with a "prompt" field per line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from specpipe.errors import InputError
+
+PROMPT_SETS = {
+    "code": [
+        "def fibonacci(n):\n    ",
+        "import os\nimport sys\n\n\ndef main():\n",
+        "class Stack:\n    def __init__(self):\n        ",
+        "    def __repr__(self):\n        return ",
+        "# Copyright (C) 2001 Python Software Foundation\n",
+        "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n    ",
+        "        if not isinstance(key, str):\n            raise TypeError(",
+        "for i in range(len(items)):\n    ",
+        "try:\n    import threading\nexcept ImportError:\n    ",
+        "    @property\n    def name(self):\n        ",
+        "def _check_arg(value, name):\n    if value is None:\n        ",
+        "class Error(Exception):\n    \"\"\"Base class for exceptions in this module.\"\"\"\n",
+    ],
+}
+
+
+def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Optional[int]) -> list[dict]:
+    """Returns [{"prompt": str} | {"error": str}] in input order; a bad line becomes a per-request error."""
+    if prompts_file is None:
+        items = [{"prompt": p} for p in PROMPT_SETS[prompt_set]]
+    else:
+        items = read_prompts_file(prompts_file)
+    return items[:num_prompts] if num_prompts is not None else items
+
+
+def read_prompts_file(path: str) -> list[dict]:
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"workload.prompts_file={path!r} does not exist (give a JSON-lines file with one "
+                         f'{{"prompt": "..."}} object per line, or leave it unset for the built-in prompts)') from None
+    except (IsADirectoryError, PermissionError) as e:
+        raise InputError(f"workload.prompts_file={path!r} cannot be read ({e.strerror}); give a readable "
+                         "JSON-lines file") from None
+    items = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            items.append({"error": f"line {n}: not valid UTF-8", "prompt": ""})
+            continue
+        except json.JSONDecodeError as e:
+            items.append({"error": f"line {n}: not valid JSON ({e.msg})", "prompt": ""})
+            continue
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            items.append({"error": f'line {n}: missing the "prompt" field', "prompt": ""})
+        elif not isinstance(obj["prompt"], str):
+            items.append({"error": f'line {n}: "prompt" must be a string', "prompt": ""})
+        else:
+            items.append({"prompt": obj["prompt"]})
+    return items

@@ -1,0 +1,48 @@
+"""The command line as users type it: runs write both output files; mistakes exit 2 without a traceback."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model=random_tiny", "workload.num_prompts=3", "workload.max_new_tokens=12"]
+
+
+def specpipe(*args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "specpipe", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("extra", [["draft.topk=1"], ["draft=none"], ["compile=split"]])
+def test_run_writes_metrics_and_completions(tmp_path, extra):
+    out = tmp_path / "run"
+    p = specpipe(*SMALL, *extra, f"hydra.run.dir={out}", cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    m = json.loads((out / "metrics.json").read_text())
+    for key in ("generated_tokens", "wall_s", "tokens_per_s", "accept_length_mean", "acceptance_rate_per_position",
+                "num_verify_steps", "stage_host_ms", "recompiles", "config"):
+        assert key in m
+    assert len(m["acceptance_rate_per_position"]) == m["config"]["draft"]["num_steps"] or extra == ["draft=none"]
+    lines = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert [x["index"] for x in lines] == [0, 1, 2]
+    assert all(len(x["output_ids"]) == 12 and x["finish_reason"] == "length" for x in lines)
+    assert "tokens/s" in p.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["allocator=foo"], "has no option 'foo'"),
+    (["draft.topk=abc"], "draft.topk"),
+    (["draft.topk=2", "draft.num_steps=2", "draft.num_draft_tokens=30", "workload.batch_size=0"], "2 problems"),
+    (["allocator._target_=os.system"], "refused"),
+    (["device=cuda"], "device=cuda cannot be used"),
+    (["device=npu"], "device=npu cannot be used"),
+])
+def test_user_mistakes_exit_2_without_traceback(tmp_path, args, fragment):
+    p = specpipe(*SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert fragment in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
