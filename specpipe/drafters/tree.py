@@ -1,0 +1,43 @@
+"""Lay out a draft tree given only each node's token and local parent (the drafters' common tail).
+
+Produces the same `Tree` as `stages.build_tree.BuildTree`, so every verifier consumes drafts from
+EAGLE, n-gram lookup or a standalone model alike. Parents must precede their children (any
+topological order works: the commit step only assumes a node at depth d has local index >= d).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specpipe.stages.build_tree import Tree
+
+
+def tree_from_parents(tokens: Tensor, parent: Tensor, seq_lens: Tensor, max_depth: int) -> Tree:
+    """tokens [B,N] (node 0 = root), parent [B,N] local parent (-1: root or unlinked), seq_lens [B].
+
+    Nodes whose ancestor chain does not reach the root within max_depth are unlinked: parent -1,
+    depth 0, they see only themselves and are never accepted.
+    """
+    B, N = tokens.shape
+    dev = tokens.device
+    ar = torch.arange(N, device=dev)
+    anc = (ar[:, None] == ar[None, :]).expand(B, N, N).clone()  # [B, N, N]
+    cur = parent
+    for _ in range(max_depth):
+        valid = cur >= 0
+        anc |= (cur.clamp(min=0)[:, :, None] == ar) & valid[:, :, None]
+        cur = torch.where(valid, parent.gather(1, cur.clamp(min=0)), cur)
+    reach = anc[:, :, 0]
+    anc = anc & reach[:, :, None] | (ar[:, None] == ar[None, :])  # unlinked: self only
+    depth = torch.where(reach, anc.sum(-1) - 1, torch.zeros_like(parent))
+    parent = torch.where(reach, parent, torch.full_like(parent, -1))
+    child = parent[:, None, :] == ar[None, :, None]  # [B, p, j]
+    big = torch.full((), N, device=dev)
+    first = torch.where(child, ar, big).min(-1).values
+    sib = (parent[:, :, None] == parent[:, None, :]) & (ar[None, None, :] > ar[None, :, None]) \
+        & (parent[:, :, None] >= 0)
+    nsib = torch.where(sib, ar, big).min(-1).values
+    none = torch.full_like(first, -1)
+    return Tree(tokens=tokens, positions=seq_lens[:, None] + depth, mask=anc, parent=parent, depth=depth,
+                next_token=torch.where(first < N, first, none), next_sibling=torch.where(nsib < N, nsib, none),
+                retrieve_index=torch.arange(B, device=dev)[:, None] * N + ar)

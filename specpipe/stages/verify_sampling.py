@@ -1,0 +1,193 @@
+"""Sampling verification: commit tokens distributed exactly as the target would sample them.
+
+Two schemes over the same tree walk (one fixed loop over depth, tensor ops only, no host sync):
+
+* target-only (`tree_sample`, draft_probs=None), for any tree whose tokens do not depend on the
+  coins (EAGLE's deterministic top-K trees, n-gram trees). At node v with processed target
+  distribution p_v and children tokens c_1..c_m (ascending local index, distinct), one coin
+  u ~ U[0,1) is compared with the cumulative sums of p_v(c_i): child i is accepted iff
+  u lies in its interval; if none is, the bonus is drawn from p_v with the children removed.
+  Proof: P(next = c_i) = p_v(c_i); P(next = y not a child) = (1 - sum_i p_v(c_i)) *
+  p_v(y) / (1 - sum_i p_v(c_i)) = p_v(y). By induction over depth (fresh coins per node) the
+  committed tokens follow the target's law. Equivalent to the sequential "accept child j with
+  p(c_j) / remaining mass" walk of sglang's target-only kernel with thresholds 1.
+* rejection sampling (`draft_probs` given), for CHAINS whose token after node v was SAMPLED from
+  q_v = draft_probs[:, v]: accept x with prob min(1, p(x)/q(x)), else the bonus comes from
+  norm(max(0, p - q)). Proof: P(next = y) = q(y) min(1, p(y)/q(y)) + (1 - sum_z min(p, q)(z)) *
+  max(0, p(y) - q(y)) / sum_z max(0, p - q)(z) = min(p, q)(y) + max(0, p(y) - q(y)) = p(y).
+  Only the first child of each node is considered. It is NOT lossless for deterministic drafts
+  (argmax chains): use target-only there.
+
+Coins are counter-based: a 32-bit integer hash of (request seed, counter, stream, column), so a
+request's coins are deterministic given its seed and do not depend on the rest of the batch or
+on the device. The pipeline passes counter = seq_lens (strictly increasing between rounds, so
+coins are never reused) and uses distinct streams for acceptance, bonus and drafting coins.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specpipe.stages.base import Stage, branch
+
+STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT = 1, 2, 3
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow (c split in 16-bit halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """Wellons' lowbias32 integer finaliser on values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_coins(seed: Tensor, counter: Tensor, cols: int, stream: int) -> Tensor:
+    """seed [B], counter [B] int -> [B, cols] float32 uniform in [0, 1) with 24 random bits."""
+    s, c = seed.to(torch.int64), counter.to(torch.int64)
+    h = _mix32((s & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((s >> 32) & _M32))
+    h = _mix32(h ^ (c & _M32))
+    h = _mix32(h ^ (stream * 0x68E31DA4 & _M32))
+    col = torch.arange(cols, device=seed.device, dtype=torch.int64)
+    h = _mix32(_mix32(h[:, None] ^ col) ^ 0x1B873593)  # [B, cols]
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """logits [B,N,V], per-request temperature/top_p [B] float, top_k [B] int -> probs [B,N,V] float32.
+
+    softmax(logits / T), keep the top_k most likely (top_k <= 0: all), renormalise, keep the
+    smallest prefix whose mass reaches top_p (top_p >= 1: all), renormalise. T <= 0 is greedy:
+    a one-hot at the argmax (so greedy and sampled requests share one batch).
+    """
+    B, N, V = logits.shape
+    x = logits.float()
+    greedy = temperature <= 0  # [B]
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    probs = torch.softmax(x / t[:, None, None], dim=-1)
+    sp, si = probs.sort(dim=-1, descending=True, stable=True)  # [B,N,V]
+    rank = torch.arange(V, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+    keep = rank < k[:, None, None]
+    sp = torch.where(keep, sp, torch.zeros_like(sp))
+    sp = sp / sp.sum(-1, keepdim=True)
+    before = sp.cumsum(-1) - sp  # mass of strictly more likely tokens
+    keep = keep & (before < top_p.float()[:, None, None])
+    sp = torch.where(keep, sp, torch.zeros_like(sp))
+    out = torch.zeros_like(probs).scatter(-1, si, sp)
+    out = out / out.sum(-1, keepdim=True)
+    onehot = F.one_hot(x.argmax(-1), V).to(out.dtype)
+    return torch.where(greedy[:, None, None], onehot, out)
+
+
+def sample_tokens(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling: probs [B,V] (unnormalised, non-negative), u [B] in [0,1) -> ids [B].
+
+    Never returns a zero-mass id (the first cdf entry strictly above u*total has positive mass).
+    """
+    cdf = probs.cumsum(-1)
+    t = (u * cdf[:, -1])[:, None].to(cdf.dtype)
+    return torch.searchsorted(cdf, t, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
+def _rows(x: Tensor, idx: Tensor) -> Tensor:
+    """x [B,N,V], idx [B] -> x[b, idx[b]] [B,V]."""
+    return x.gather(1, idx[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+
+
+def tree_sample(probs: Tensor, tokens: Tensor, parent: Tensor, u: Tensor, u_final: Tensor, num_steps: int,
+                draft_probs: Tensor | None = None):
+    """Walk the tree from the root and sample the committed tokens.
+
+    probs [B,N,V] processed target distribution after each node; tokens [B,N]; parent [B,N] local
+    parent (-1: root or unlinked, never accepted); u [B,N] coin used at each visited node; u_final
+    [B] coin of the bonus; draft_probs [B,N,V] optional, row v = the distribution node v's child
+    token was sampled from (chains only). Returns accept_index [B,S+1] accepted local nodes (-1
+    padded), accept_len [B] drafts accepted, commit [B,S+1] accepted drafts then the bonus (the
+    tail past the bonus repeats the bonus so it is always a valid id).
+    """
+    B, N, V = probs.shape
+    dev = tokens.device
+    ar = torch.arange(N, device=dev)
+    # ptok[b, i, j] = p_i(token_j): the probability row i's distribution gives node j's token
+    ptok = probs.gather(2, tokens[:, None, :].expand(B, N, N))
+    same = (parent[:, :, None] == parent[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
+    dup = (same & (ar[None, None, :] < ar[None, :, None])).any(-1)  # [B,N] an earlier sibling has this token
+    cand = (parent >= 0) & ~dup
+    cur = torch.zeros(B, dtype=torch.int64, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)
+    count = torch.zeros(B, dtype=torch.int64, device=dev)
+    path = [cur]
+    for _ in range(num_steps):
+        child = cand & (parent == cur[:, None]) & alive[:, None]  # [B,N]
+        coin = u.gather(1, cur[:, None])  # [B,1]
+        pc = ptok.gather(1, cur[:, None, None].expand(B, 1, N))[:, 0]  # [B,N] p_cur(token_j)
+        if draft_probs is None:
+            cdf = torch.where(child, pc, torch.zeros_like(pc)).cumsum(-1)
+            hit = child & (coin < cdf)
+            acc = hit.any(-1)
+            nxt = hit.to(torch.int64).argmax(-1)  # first child whose interval holds the coin
+        else:
+            first = torch.where(child, ar, torch.full_like(ar, N)).min(-1).values
+            nxt = first.clamp(max=N - 1)
+            q = _rows(draft_probs, cur).gather(1, tokens.gather(1, nxt[:, None]))[:, 0]
+            acc = (first < N) & (coin[:, 0] * q < pc.gather(1, nxt[:, None])[:, 0])
+        cur = torch.where(acc, nxt, cur)
+        count = count + acc.to(torch.int64)
+        alive = acc
+        path.append(torch.where(acc, nxt, torch.full_like(nxt, -1)))
+    accept_index = torch.stack(path, 1)  # [B, S+1]
+    # bonus: residual at the last accepted node; its children were examined unless the walk ran S deep
+    examined = ~alive
+    p_last = _rows(probs, cur)  # [B,V]
+    kids = cand & (parent == cur[:, None]) & examined[:, None]
+    if draft_probs is None:
+        hits = torch.zeros_like(p_last).scatter_add(1, tokens, kids.to(p_last.dtype))
+        resid = torch.where(hits > 0, torch.zeros_like(p_last), p_last)
+    else:
+        q_last = _rows(draft_probs, cur).to(p_last.dtype)
+        resid = torch.where(kids.any(-1)[:, None], (p_last - q_last).clamp(min=0), p_last)
+    empty = resid.sum(-1, keepdim=True) <= 0  # only through rounding: fall back to p
+    resid = torch.where(empty, p_last, resid)
+    bonus = sample_tokens(resid, u_final)  # [B]
+    drafts = tokens.gather(1, accept_index[:, 1:].clamp(min=0))  # [B,S]
+    col = torch.arange(num_steps + 1, device=dev)
+    commit = torch.where(col < count[:, None], torch.cat([drafts, bonus[:, None]], 1), bonus[:, None])
+    return accept_index, count, commit
+
+
+class VerifySampling(Stage):
+    """Stage wrapper: the pipeline calls `probs` on the verify logits, then `sample` (or `sample_rejection`)."""
+
+    name = "verify_sampling"
+
+    def __init__(self, num_steps: int):
+        self.num_steps = num_steps
+
+    @branch
+    def probs(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+        return process_logits(logits, temperature, top_p, top_k)
+
+    @branch
+    def sample(self, probs: Tensor, tokens: Tensor, parent: Tensor, seed: Tensor, counter: Tensor):
+        """Target-only tree sampling; coins from (seed, counter). Same outputs as Verify.greedy."""
+        u = uniform_coins(seed, counter, tokens.shape[1], STREAM_ACCEPT)
+        uf = uniform_coins(seed, counter, 1, STREAM_BONUS)[:, 0]
+        return tree_sample(probs, tokens, parent, u, uf, self.num_steps)
+
+    @branch
+    def sample_rejection(self, probs: Tensor, draft_probs: Tensor, tokens: Tensor, parent: Tensor, seed: Tensor,
+                         counter: Tensor):
+        """Chain rejection sampling with the draft's full distributions [B,N,V] (sampled chains only)."""
+        u = uniform_coins(seed, counter, tokens.shape[1], STREAM_ACCEPT)
+        uf = uniform_coins(seed, counter, 1, STREAM_BONUS)[:, 0]
+        return tree_sample(probs, tokens, parent, u, uf, self.num_steps, draft_probs)
