@@ -93,12 +93,13 @@ class Pipeline:
         ids = ids.to(self.dev)
         rows_t = torch.from_numpy(rows_np).to(self.dev)
         lens_t = torch.from_numpy(lens).to(self.dev)
-        batch = extend_batch(self.prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T))
+        batch = self.prep.decorate(extend_batch(self.prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T)))
         hidden = self.target(ids, batch)  # [B, T, H]
         last = lens_t - 1
         h_last = hidden[torch.arange(len(reqs), device=self.dev), last]
         first = self.target.logits(h_last).argmax(-1)  # [B]
         self.prep.commit(rows_np, lens)
+        self.prep.after_commit(rows_np)
         return rows_np, ids, hidden, batch, last, first
 
     def admit(self, reqs: list[Request]) -> bool:
@@ -148,7 +149,8 @@ class PlainPipeline(Pipeline):
             L = self.prep.seq_len[self.rows]
             rows_t = torch.from_numpy(self.rows).to(self.dev)
             L_t = torch.from_numpy(L).to(self.dev)
-            batch = extend_batch(self.prep.table, rows_t, L_t, torch.ones_like(L_t), 1, bucket(L.max() + 1))
+            batch = self.prep.decorate(
+                extend_batch(self.prep.table, rows_t, L_t, torch.ones_like(L_t), 1, bucket(L.max() + 1)))
         with self.metrics.stage("verify"):
             hidden = self.target(self.last_token[:, None], batch)
             nxt = self.target.logits(hidden[:, 0]).argmax(-1)  # [B]
@@ -157,6 +159,7 @@ class PlainPipeline(Pipeline):
             for r, t in zip(self.reqs, toks):
                 self.append_tokens(r, [t])
             self.prep.commit(self.rows, L + 1)
+            self.prep.after_commit(self.rows)
             self.last_token = nxt
             self.drop_finished()
         self.metrics.num_verify_steps += 1

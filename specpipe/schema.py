@@ -56,6 +56,19 @@ class PagedAllocatorConf(AllocatorConf):
     page_size: int = 16
 
 
+@dataclass
+class SWAAllocatorConf(AllocatorConf):
+    _target_: str = "specpipe.allocators.swa.SWAAllocator"
+    window: int = 256  # tokens a sliding-window layer sees; its pool frees slots that leave the window
+    swa_num_slots: Optional[int] = None  # window-pool size (None: same as num_slots)
+
+
+@dataclass
+class HiSparseAllocatorConf(AllocatorConf):
+    _target_: str = "specpipe.allocators.hisparse.HiSparseAllocator"
+    host_to_device_ratio: int = 2  # logical (host) id space per device slot
+
+
 # ---- model ------------------------------------------------------------------------------
 @dataclass
 class ModelConf:
@@ -171,7 +184,8 @@ class Config:
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "device": {"cpu": CpuDeviceConf, "cuda": CudaDeviceConf, "npu": NpuDeviceConf},
-    "allocator": {"token": TokenAllocatorConf, "paged": PagedAllocatorConf},
+    "allocator": {"token": TokenAllocatorConf, "paged": PagedAllocatorConf, "swa": SWAAllocatorConf,
+                  "hisparse": HiSparseAllocatorConf},
     "model": {"random_tiny": RandomTinyModelConf, "hf": HFModelConf, "tiny": TinyModelConf},
     "draft": {"eagle": EagleDraftConf, "none": NoDraftConf},
     "compile": {"policy": CompileConf},

@@ -73,7 +73,7 @@ class EaglePipeline(Pipeline):
             if i > 0:  # each new branch inherits its parent branch's visible draft tokens
                 anc = anc.gather(1, pb[:, :, None].expand(-1, -1, anc.shape[2]))
             anc[:, kk, i * K + kk] = True
-            batch = draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t)
+            batch = self.prep.decorate(draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t))
             tp, ti, hout = self.draft_fwd.decode(ids.view(B, K), hid.view(B, K, -1), batch)
             ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
             blocks.append(blk)
@@ -93,7 +93,7 @@ class EaglePipeline(Pipeline):
         tree_vis = tree.mask.gather(2, jc[:, None, :].expand(B, N, Lv)) & in_tree[:, None, :]
         mask = (c[None, :] < L_t[:, None])[:, None, :] | tree_vis  # [B, N, Lv]
         kv_pos = torch.where(in_tree, L_t[:, None] + tree.depth.gather(1, jc), c[None, :].expand(B, Lv))
-        return AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos)
+        return self.prep.decorate(AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -123,9 +123,10 @@ class EaglePipeline(Pipeline):
             src = vbatch.out_slots.gather(1, accept_index.clamp(min=0))  # [B, S+1] slots of accepted nodes
             tgt = vbatch.out_slots.gather(1, d.clamp(max=N - 1).expand(B, S + 1))  # contiguous positions
             move = (d[None, :] < kept_t[:, None]) & (src != tgt)
-            self.target.kv.move(tgt[move], src[move])
+            self.prep.move_kv(self.target.kv, tgt[move], src[move])
             unfinished = np.asarray([not r.finished for r in self.reqs])
             self.prep.commit(self.rows[unfinished], (L + kept)[unfinished])
+            self.prep.after_commit(self.rows[unfinished])
         with m.stage("draft_extend"):
             self.extend_after_verify(unfinished, commit, vhidden, accept_index, L_t, kept_t, rows_t)
         self.drop_finished()
@@ -140,7 +141,7 @@ class EaglePipeline(Pipeline):
         hid = vhidden.gather(1, accept_index.clamp(min=0)[:, :, None].expand(-1, -1, H))[u]  # [B', S+1, H]
         ids, lens, starts = commit[u], kept_t[u], L_t[u]
         Lmax = int(self.prep.seq_len[self.rows[unfinished]].max())
-        batch = extend_batch(self.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax))
+        batch = self.prep.decorate(extend_batch(self.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax)))
         p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
         self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h
         self.last_token[u] = ids.gather(1, (lens - 1)[:, None])[:, 0]

@@ -105,6 +105,10 @@ def validate(cfg: DictConfig) -> None:
             errors.append(f"allocator.num_slots={a.num_slots} is smaller than one request needs ({need} slots for "
                           f"max_new_tokens={w.max_new_tokens} plus draft and verify space at page_size={ps}); "
                           f"use allocator.num_slots>={need}")
+    if "window" in a and cfg.draft.method != "none" and a.window < cfg.draft.num_steps + 1:
+        errors.append(f"allocator.window={a.window} is shorter than one speculative step needs "
+                      f"(num_steps + 1 = {cfg.draft.num_steps + 1} tokens); use allocator.window>="
+                      f"{cfg.draft.num_steps + 1}")
     if cfg.seed < 0:
         errors.append(f"seed={cfg.seed} must be >= 0")
     if errors:

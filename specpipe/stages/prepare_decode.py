@@ -98,6 +98,18 @@ class PrepareDecode(Stage):
     def end_scratch(self, state) -> None:
         self.alloc.restore_state(state)
 
+    # ---- allocator-specific views (hooks; plain allocators need none) ---------------------
+    def decorate(self, batch):
+        """Add allocator-specific slot views (e.g. window-pool slots) to an AttentionBatch."""
+        return batch
+
+    def move_kv(self, pool, tgt: Tensor, src: Tensor) -> None:
+        """Copy accepted K/V from tree slots to contiguous slots in every pool the allocator feeds."""
+        pool.move(tgt, src)
+
+    def after_commit(self, rows: np.ndarray) -> None:
+        """Called after committed lengths change (e.g. to free window-pool slots that left the window)."""
+
     def commit(self, rows: np.ndarray, new_seq: np.ndarray) -> None:
         """Record committed lengths; free owned pages that lie wholly past the committed tokens."""
         ps = self.ps
