@@ -15,6 +15,7 @@ from specpipe.compile_policy import parse_policy
 from specpipe.metrics import Metrics, recompile_count
 from specpipe.pipeline import PlainPipeline, Request
 from specpipe.runner import run_requests
+from specpipe.stages.prepare_decode import target_kv_layout
 from specpipe.spec_pipeline import EaglePipeline
 from specpipe.validate import to_container, validate
 from specpipe.workload import load_prompts
@@ -83,7 +84,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     if pair is None:
         pair = build(cfg.model, "model", dtype=dtype, device=str(device.torch_device), draft_path=cfg.draft.path)
     allocator = build_allocator(cfg, device)
-    pair.target.setup_kv(allocator.pool_slots)
+    pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
     if pair.draft is not None:
         pair.draft.setup_kv(allocator.pool_slots)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
@@ -95,6 +96,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary = metrics.summary(wall, recompile_count() - compiles_before)
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_leaked_slots"] = int(allocator.size - allocator.available())
+    summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     summary["num_requests"] = len(reqs)
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["config"] = to_container(cfg)

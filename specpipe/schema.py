@@ -91,6 +91,10 @@ class RandomTinyModelConf(ModelConf):
     seed: int = 0
     residual_scale: float = 0.1  # small: the target stays close to its embedding, so the draft can agree
     aligned_draft: bool = True  # the head's fc passes the token embedding through (non-trivial acceptance)
+    sliding_window: Optional[int] = None  # sliding-window attention (allocator=swa needs it)
+    sliding_layers: str = "all"  # all (Mistral) | alternate (even layers slide, odd are full)
+    sparse_top_k: Optional[int] = None  # top-k sparse attention in the target (allocator=hisparse)
+    sparse_local: int = 16  # sparse attention always keeps the newest sparse_local positions
 
 
 @dataclass

@@ -8,7 +8,7 @@ model has one attention path and the stages build masks with pure tensor code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -21,6 +21,10 @@ class AttentionBatch:
     kv_slots: Tensor  # [B, Lkv] int64 slots each request reads (padding columns read slot 0)
     mask: Tensor  # [B, Q, Lkv] bool, True where query q may attend key column k
     kv_positions: Optional[Tensor] = None  # [B, Lkv] int64 token position of each key (sliding window)
+    # allocator views added by PrepareDecode.decorate (None for plain allocators):
+    swa_out_slots: Optional[Tensor] = None  # [B, Q] window-pool slots of out_slots (allocator=swa)
+    swa_kv_slots: Optional[Tensor] = None  # [B, Lkv] window-pool slots of kv_slots (0 = evicted/padding)
+    observe: Optional[Callable] = None  # observe(layer, batch, selected [B,Q,Lkv], token_bytes, budget) (hisparse)
 
     @property
     def batch_size(self) -> int:

@@ -3,7 +3,8 @@
 One readable file in the gpt-fast spirit: RMSNorm, RoPE (with llama3-style scaling), grouped-query
 attention (optional q/k/v bias as in Qwen2, optional per-layer sliding window as in Mistral),
 SwiGLU MLP, optional tied embeddings. With ``batch=None`` the model runs plain causal attention
-over the whole input (training); otherwise it follows an :class:`AttentionBatch`.
+over the whole input (training); otherwise it follows an :class:`AttentionBatch`. The KV pool and
+the attention module (window pool, top-k sparse attention) live in :mod:`specpipe.models.attention`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specpipe.models.attention import Attention, KVPool, rotate_half  # noqa: F401 (re-exported)
 from specpipe.models.attention_batch import AttentionBatch
 
 
@@ -35,6 +37,8 @@ class LlamaConfig:
     attention_bias: bool = False
     sliding_window: Optional[int] = None
     layer_types: Optional[list] = None  # per layer "full_attention" | "sliding_attention"
+    sparse_top_k: Optional[int] = None  # top-k sparse attention in the target (None: dense)
+    sparse_local: int = 16  # sparse attention always keeps the last sparse_local positions
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     extra: dict = field(default_factory=dict)
@@ -50,25 +54,6 @@ class LlamaConfig:
         if self.layer_types is None:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-
-class KVPool:
-    """K/V storage for all layers: slot s of layer l holds one token's keys and values."""
-
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, Hkv, D]
-
-    @property
-    def num_slots(self) -> int:
-        return self.k.shape[1]
-
-    def move(self, tgt: Tensor, src: Tensor) -> None:
-        """Copy every layer's K/V from slots ``src`` to slots ``tgt`` (both [n] int64)."""
-        self.k[:, tgt] = self.k[:, src]
-        self.v[:, tgt] = self.v[:, src]
 
 
 class RMSNorm(nn.Module):
@@ -105,60 +90,6 @@ def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
     elif kind not in (None, "default"):
         raise ValueError(f"rope_scaling type {kind!r} is not supported (valid: llama3, linear, default)")
     return inv
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.window = cfg.window_of(layer_idx)
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: Optional[AttentionBatch],
-                kv: Optional[KVPool]) -> Tensor:
-        B, Q, _ = x.shape
-        q = self.q_proj(x).view(B, Q, self.n_heads, self.hd)
-        k = self.k_proj(x).view(B, Q, self.n_kv, self.hd)
-        v = self.v_proj(x).view(B, Q, self.n_kv, self.hd)
-        q = q * cos + rotate_half(q) * sin  # cos/sin: [B, Q, 1, D]
-        k = k * cos + rotate_half(k) * sin
-        if batch is None and self.window is None:  # training: plain causal attention over the input
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, enable_gqa=True)
-        elif batch is None:  # causal and within the sliding window
-            i = torch.arange(Q, device=x.device)
-            dist = i[:, None] - i[None, :]  # [Q, Q]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=(dist >= 0) & (dist < self.window), enable_gqa=True)
-        else:
-            o = self._pool_attention(q, k, v, batch, kv)
-        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.hd))
-
-    def _pool_attention(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, kv: KVPool) -> Tensor:
-        layer = self.layer_idx
-        flat = batch.out_slots.reshape(-1)
-        kv.k[layer].index_copy_(0, flat, k.reshape(-1, self.n_kv, self.hd).to(kv.k.dtype))
-        kv.v[layer].index_copy_(0, flat, v.reshape(-1, self.n_kv, self.hd).to(kv.v.dtype))
-        keys = kv.k[layer][batch.kv_slots].to(q.dtype)  # [B, Lkv, Hkv, D]
-        vals = kv.v[layer][batch.kv_slots].to(q.dtype)
-        mask = batch.mask
-        if self.window is not None and batch.kv_positions is not None:
-            dist = batch.positions[:, :, None] - batch.kv_positions[:, None, :]  # [B, Q, Lkv]
-            mask = mask & (dist < self.window)
-        # a fully masked row (padding query) would give NaN: let it see column 0 instead
-        mask = mask | (~mask.any(-1, keepdim=True) & (torch.arange(mask.shape[-1], device=mask.device) == 0))
-        return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                              attn_mask=mask[:, None], enable_gqa=True)
 
 
 class MLP(nn.Module):
@@ -210,12 +141,22 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg)
+        for layer in self.layers:  # draft heads built from the same config stay dense
+            layer.self_attn.top_k = cfg.sparse_top_k
         self.kv: Optional[KVPool] = None
 
-    def setup_kv(self, num_slots: int, dtype: Optional[torch.dtype] = None) -> KVPool:
+    def window_layers(self) -> list[int]:
+        """Layers with a sliding window (their KV may live in a window pool)."""
+        return [i for i in range(self.config.num_hidden_layers) if self.config.window_of(i) is not None]
+
+    def setup_kv(self, num_slots: int, dtype: Optional[torch.dtype] = None, window_slots: Optional[int] = None,
+                 track_selection: bool = False) -> KVPool:
+        """KV pool of ``num_slots`` full slots; with ``window_slots``, sliding layers get a window pool of
+        that size instead (allocator=swa). ``track_selection`` reports sparse selections (allocator=hisparse)."""
         p = self.lm_head.weight
         c = self.config
-        self.kv = KVPool(c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim, dtype or p.dtype, p.device)
+        self.kv = KVPool(c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim, dtype or p.dtype,
+                         p.device, window_slots, self.window_layers(), track_selection)
         return self.kv
 
     def forward(self, input_ids: Tensor, batch: Optional[AttentionBatch] = None) -> Tensor:

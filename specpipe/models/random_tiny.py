@@ -5,16 +5,28 @@ from typing import Optional
 
 import torch
 
+from specpipe.errors import ConfigError
 from specpipe.models.eagle import EagleHead
 from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
 from specpipe.models.pair import ModelPair
 from specpipe.tokenizer import ByteTokenizer
 
 
+def layer_pattern(sliding_layers: str, num_layers: int) -> Optional[list]:
+    """layer_types for a sliding pattern: None (every layer slides) or alternating sliding/full."""
+    if sliding_layers == "all":
+        return None
+    if sliding_layers == "alternate":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    raise ConfigError(f"model.sliding_layers={sliding_layers!r} is unknown (valid: all, alternate)")
+
+
 def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                       num_kv_heads: int = 2, intermediate_size: int = 128, max_position: int = 2048,
                       tie_word_embeddings: bool = False, init_std: float = 0.5, seed: int = 0,
                       residual_scale: float = 0.1, aligned_draft: bool = True,
+                      sliding_window: Optional[int] = None, sliding_layers: str = "all",
+                      sparse_top_k: Optional[int] = None, sparse_local: int = 16,
                       dtype: str = "float32", device: str = "cpu", draft_path: Optional[str] = None) -> ModelPair:
     """Random weights with a large init scale so logits are far from uniform (few argmax ties).
 
@@ -22,11 +34,17 @@ def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: 
     to the token embedding; with `aligned_draft` the head's fc passes the embedding through. The
     draft then agrees with the target often but not always, so tests see accepted and rejected
     tree paths (a fully random head would accept almost nothing).
+
+    `sliding_window` with `sliding_layers` "all" (Mistral) or "alternate" (Gemma/Qwen2-style
+    layer_types: even layers slide, odd layers are full) gives allocator=swa something to serve;
+    `sparse_top_k` makes the target's attention top-k sparse (allocator=hisparse).
     """
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                       intermediate_size=intermediate_size, max_position_embeddings=max_position,
-                      tie_word_embeddings=tie_word_embeddings, eos_token_id=vocab_size - 1)
+                      tie_word_embeddings=tie_word_embeddings, eos_token_id=vocab_size - 1,
+                      sliding_window=sliding_window, layer_types=layer_pattern(sliding_layers, num_layers),
+                      sparse_top_k=sparse_top_k, sparse_local=sparse_local)
     gen = torch.Generator().manual_seed(seed)
     target = LlamaForCausalLM(cfg)
     draft = EagleHead(cfg, target)

@@ -4,16 +4,26 @@ Host-side lengths live in preallocated numpy arrays indexed by table row (no lis
 step); page counts are computed once, in closed form, and passed to the allocator as
 `num_new_pages`, so the allocator does no counting of its own. Each row owns positions
 [0, alloc_len); the first seq_len of them hold committed KV.
+
+Allocator-specific views, chosen by capability (never by class):
+  window_evict (SWA): batches carry window-pool translations of their slots, accepted-KV moves
+    translate too, and every commit frees the window-pool pages of tokens that left the window
+    (``evicted`` tracks the freed prefix per row, page-aligned).
+  hisparse: sparse target forwards report their top-k selections to per-row hot buffers
+    (:mod:`specpipe.stages.hot_buffers`); once buffers exist, new tokens get logical ids only.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from specpipe.errors import ConfigError
 from specpipe.stages.base import Stage
+from specpipe.stages.hot_buffers import HotBufferBook
 
 
 def ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -38,6 +48,12 @@ class PrepareDecode(Stage):
         self.alloc_len = np.zeros(max_requests, dtype=np.int64)  # owned positions per row
         self.peak_used = 0
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        caps = getattr(allocator, "capabilities", frozenset())
+        self.window = allocator.window if "window_evict" in caps else None
+        self.evicted = np.zeros(max_requests, dtype=np.int64)  # window-pool prefix already freed per row
+        self.evicted_tokens = 0
+        self.window_peak = 0  # most window-pool slots live at once
+        self.hot = HotBufferBook(allocator, self.table, self.alloc_len) if "hisparse" in caps else None
 
     @property
     def max_context(self) -> int:
@@ -52,10 +68,13 @@ class PrepareDecode(Stage):
             return
         r = np.asarray(rows, dtype=np.int64)
         seg, pos = ranges(np.zeros_like(r), self.alloc_len[r])
-        if len(pos):
+        if len(pos):  # SWA: frees full pages and the window pages not evicted yet (evicted ones map to 0)
             self.alloc.free(self.table[torch.from_numpy(r[seg]).to(self.device), torch.from_numpy(pos).to(self.device)])
+        if self.hot is not None:
+            self.hot.release(r)
         self.seq_len[r] = 0
         self.alloc_len[r] = 0
+        self.evicted[r] = 0
         self._free_rows.extend(rows)
 
     def reserve(self, rows: np.ndarray, need: np.ndarray) -> bool:
@@ -71,14 +90,20 @@ class PrepareDecode(Stage):
         r_t = torch.from_numpy(r).to(self.device)
         c_t = torch.from_numpy(c).to(self.device)
         last_loc = torch.where(c_t > 0, self.table[r_t, (c_t - 1).clamp(min=0)], torch.full_like(c_t, -1))
-        slots = self.alloc.alloc_extend(c_t, torch.from_numpy(n).to(self.device), last_loc,
-                                        num_new_pages=pages, extend_num_tokens=int((n - c).sum()))
+        alloc = self.alloc.alloc_extend
+        if self.hot is not None and self.hot.ready:  # rows read through hot buffers: host (logical) ids only
+            self.hot.ensure(r)
+            alloc = self.alloc.alloc_logical_only
+        slots = alloc(c_t, torch.from_numpy(n).to(self.device), last_loc,
+                      num_new_pages=pages, extend_num_tokens=int((n - c).sum()))
         if slots is None:
             return False
         seg, pos = ranges(c, n)
         self.table[torch.from_numpy(r[seg]).to(self.device), torch.from_numpy(pos).to(self.device)] = slots
         self.alloc_len[r] = n
         self.peak_used = max(self.peak_used, self.alloc.size - self.alloc.available())
+        if self.window is not None:
+            self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
         return True
 
     def slots(self, rows_t: Tensor, starts: Tensor, width: int) -> Tensor:
@@ -100,15 +125,52 @@ class PrepareDecode(Stage):
 
     # ---- allocator-specific views (hooks; plain allocators need none) ---------------------
     def decorate(self, batch):
-        """Add allocator-specific slot views (e.g. window-pool slots) to an AttentionBatch."""
+        """Add allocator-specific views to an AttentionBatch: window-pool slots (SWA), the hot-buffer hook."""
+        if self.window is not None:
+            tr = self.alloc.translate
+            batch = replace(batch, swa_out_slots=tr(batch.out_slots), swa_kv_slots=tr(batch.kv_slots))
+        if self.hot is not None:
+            batch = replace(batch, observe=self.hot.observe)
         return batch
 
     def move_kv(self, pool, tgt: Tensor, src: Tensor) -> None:
         """Copy accepted K/V from tree slots to contiguous slots in every pool the allocator feeds."""
-        pool.move(tgt, src)
+        if self.window is not None:
+            pool.move(tgt, src, self.alloc.translate(tgt), self.alloc.translate(src))
+        else:
+            pool.move(tgt, src)
 
     def after_commit(self, rows: np.ndarray) -> None:
-        """Called after committed lengths change (e.g. to free window-pool slots that left the window)."""
+        """SWA: free the window-pool pages of tokens that left the window (never the last window + ps).
+
+        Host arithmetic mirrors ``evict_outside_window`` (new = floor_page(seq - window - ps)), so the
+        allocator is only called, and the table only gathered, when some row has a page to free.
+        """
+        if self.window is None or len(rows) == 0:
+            return
+        ps = self.ps
+        seq, old = self.seq_len[rows], self.evicted[rows]
+        new = np.maximum(seq - self.window - ps, 0) // ps * ps
+        go = new > old
+        if not go.any():
+            return
+        r, dev = rows[go], self.device
+        r_t = torch.from_numpy(r).to(dev)
+        self.alloc.evict_outside_window(self.table[r_t, : int(new[go].max())], torch.from_numpy(seq[go]).to(dev),
+                                        torch.from_numpy(old[go]).to(dev))
+        self.evicted_tokens += int((new - old)[go].sum())
+        self.evicted[r] = new[go]
+
+    def stats(self) -> dict:
+        """Allocator-specific counters for metrics.json (merged into the run summary)."""
+        out = {}
+        if self.window is not None:
+            out.update(swa_evicted_tokens=self.evicted_tokens, swa_window_peak_slots=self.window_peak,
+                       kv_window_leaked_slots=self.alloc.swa.size - self.alloc.swa_available(),
+                       kv_full_leaked_slots=self.alloc.full.size - self.alloc.full_available())
+        if self.hot is not None:
+            out.update(self.hot.stats())
+        return out
 
     def commit(self, rows: np.ndarray, new_seq: np.ndarray) -> None:
         """Record committed lengths; free owned pages that lie wholly past the committed tokens."""
@@ -119,3 +181,32 @@ class PrepareDecode(Stage):
         if len(pos):
             self.alloc.free(self.table[torch.from_numpy(rows[seg]).to(self.device), torch.from_numpy(pos).to(self.device)])
         self.alloc_len[rows] = keep
+
+
+def target_kv_layout(pair, allocator) -> dict:
+    """``setup_kv`` keyword arguments for the target under ``allocator``; ConfigError when they don't fit.
+
+    Called where the model pair and the allocator meet (``app.run``, right after ``build_allocator``).
+    SWA: the target's sliding layers get a window pool of ``swa_pool_slots``; a model without sliding
+    layers, or an allocator window smaller than the model's (the pool would free keys the model still
+    reads), is an error. HiSparse: the target reports its sparse selections to the hot buffers.
+    """
+    caps = getattr(allocator, "capabilities", frozenset())
+    cfg = pair.target.config
+    if "window_evict" in caps:
+        windows = [cfg.window_of(i) for i in range(cfg.num_hidden_layers)]
+        windows = [w for w in windows if w is not None]
+        name = getattr(pair, "name", "") or "this model"
+        if not windows:
+            raise ConfigError(f"allocator=swa keeps a window pool for sliding-window layers, but {name!r} has no "
+                              "sliding-window layers (its config sets no sliding_window); use a model with sliding "
+                              "window attention, e.g. model=random_tiny model.sliding_window=64, or another "
+                              "allocator (allocator=token or allocator=paged)")
+        if allocator.window < max(windows):
+            raise ConfigError(f"allocator.window={allocator.window} is smaller than the model's sliding window of "
+                              f"{max(windows)} tokens: the window pool would drop keys the model still attends to; "
+                              f"use allocator.window>={max(windows)}")
+        return {"window_slots": allocator.swa_pool_slots}
+    if "hisparse" in caps:
+        return {"track_selection": True}
+    return {}

@@ -1,0 +1,165 @@
+"""Slot-pool attention: the KV pool (full pool + optional window pool) and the attention module.
+
+Sliding-window layers may keep their K/V in a smaller *window pool* (allocator=swa): the engine
+hands out full-pool slots, ``PrepareDecode.decorate`` adds their window-pool translations to the
+:class:`AttentionBatch`, and a layer whose pool storage is window-sized reads and writes only
+those. Whether a layer is windowed is decided by the pool it was given, not by the config alone:
+a draft model sharing the target's config keeps a full-size pool and reads full slots.
+
+Optional top-k sparse attention (``sparse_top_k``, target models only): see :func:`sparse_select`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specpipe.models.attention_batch import AttentionBatch
+
+
+class KVPool:
+    """K/V storage. Full layers: [Lf, S, Hkv, D] indexed by full slots; window layers (only when
+    ``window_slots`` is given): [Lw, Sw, Hkv, D] indexed by window-pool slots."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 window_slots: Optional[int] = None, window_layers: Sequence[int] = (),
+                 track_selection: bool = False):
+        win = set(window_layers) if window_slots is not None else set()
+        self.windowed = [i in win for i in range(num_layers)]
+        self.group_index = []  # layer -> index inside its group (full or window)
+        counts = [0, 0]
+        for w in self.windowed:
+            self.group_index.append(counts[w])
+            counts[w] += 1
+        full = (counts[0], num_slots, num_kv_heads, head_dim)
+        wind = (counts[1], window_slots or 0, num_kv_heads, head_dim)
+        self.k = torch.zeros(full, dtype=dtype, device=device)  # [Lf, S, Hkv, D]
+        self.v = torch.zeros(full, dtype=dtype, device=device)
+        self.wk = torch.zeros(wind, dtype=dtype, device=device)  # [Lw, Sw, Hkv, D]
+        self.wv = torch.zeros(wind, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.track_selection = track_selection  # report sparse selections to batch.observe (hisparse)
+        self.token_bytes = 2 * num_kv_heads * head_dim * self.k.element_size()  # K+V of one token, one layer
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def window_slots(self) -> int:
+        return self.wk.shape[1]
+
+    @property
+    def has_window(self) -> bool:
+        return self.wk.shape[0] > 0
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """(K, V) storage of layer i: [S or Sw, Hkv, D] each."""
+        g = self.group_index[i]
+        return (self.wk[g], self.wv[g]) if self.windowed[i] else (self.k[g], self.v[g])
+
+    def move(self, tgt: Tensor, src: Tensor, window_tgt: Optional[Tensor] = None,
+             window_src: Optional[Tensor] = None) -> None:
+        """Copy K/V from slots ``src`` to ``tgt`` (both [n] int64); window layers use the translated pair."""
+        self.k[:, tgt] = self.k[:, src]
+        self.v[:, tgt] = self.v[:, src]
+        if self.has_window:
+            if window_tgt is None or window_src is None:
+                raise ValueError("this pool has window-pool layers: pass window_tgt/window_src "
+                                 "(the slots translated by the SWA allocator)")
+            self.wk[:, window_tgt] = self.wk[:, window_src]
+            self.wv[:, window_tgt] = self.wv[:, window_src]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def sparse_select(q: Tensor, keys: Tensor, mask: Tensor, positions: Tensor, kv_positions: Tensor,
+                  top_k: int, local: int) -> Tensor:
+    """The keys each query attends to under top-k sparse attention ([B, Q, Lkv] bool, within ``mask``).
+
+    q [B, Q, H, D], keys [B, Lkv, Hkv, D] (after RoPE). A query at position p always keeps the
+    visible keys at positions (p - local, p] (itself, its tree ancestors while the tree is shallower
+    than ``local``, and the newest tokens, like NSA's sliding branch); among older visible keys it
+    keeps the ``top_k`` with the highest indexer score, the mean over query heads of q·k (one
+    [B, Q, Lkv] matmul after averaging each GQA group's queries). The rule depends only on
+    positions and committed KV, so plain decode and tree verify select the same keys (lossless),
+    and with top_k >= the visible keys it returns ``mask`` itself (exactly dense attention).
+    """
+    B, Q, H, D = q.shape
+    Lkv, Hkv = keys.shape[1], keys.shape[2]
+    if top_k >= Lkv:
+        return mask
+    recent = (positions[:, :, None] - kv_positions[:, None, :]) < local  # [B, Q, Lkv]
+    cand = mask & ~recent
+    qm = q.reshape(B, Q, Hkv, H // Hkv, D).mean(3)  # [B, Q, Hkv, D]
+    score = torch.einsum("bqhd,bkhd->bqk", qm, keys.to(qm.dtype)).masked_fill(~cand, float("-inf"))
+    pick = torch.zeros_like(mask).scatter_(-1, score.topk(top_k, dim=-1).indices, True)  # [B, Q, Lkv]
+    return mask & (recent | (pick & cand))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.window = cfg.window_of(layer_idx)
+        self.top_k: Optional[int] = None  # sparse attention; set by the target model (drafts stay dense)
+        self.local = getattr(cfg, "sparse_local", 16)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, batch: Optional[AttentionBatch],
+                kv: Optional[KVPool]) -> Tensor:
+        B, Q, _ = x.shape
+        q = self.q_proj(x).view(B, Q, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, Q, self.n_kv, self.hd)
+        v = self.v_proj(x).view(B, Q, self.n_kv, self.hd)
+        q = q * cos + rotate_half(q) * sin  # cos/sin: [B, Q, 1, D]
+        k = k * cos + rotate_half(k) * sin
+        if batch is None and self.window is None:  # training: plain causal (dense) attention over the input
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+        elif batch is None:  # causal and within the sliding window
+            i = torch.arange(Q, device=x.device)
+            dist = i[:, None] - i[None, :]  # [Q, Q]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=(dist >= 0) & (dist < self.window), enable_gqa=True)
+        else:
+            o = self._pool_attention(q, k, v, batch, kv)
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.hd))
+
+    def _pool_attention(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, kv: KVPool) -> Tensor:
+        layer = self.layer_idx
+        out_slots, kv_slots = batch.out_slots, batch.kv_slots
+        if kv.windowed[layer]:  # this layer's storage is the window pool: use translated slots
+            if batch.swa_kv_slots is None:
+                raise RuntimeError(f"layer {layer} keeps its K/V in the window pool, but the batch has no "
+                                   "window-pool slots (build it through PrepareDecode.decorate with allocator=swa)")
+            out_slots, kv_slots = batch.swa_out_slots, batch.swa_kv_slots
+        ks, vs = kv.layer(layer)
+        flat = out_slots.reshape(-1)
+        ks.index_copy_(0, flat, k.reshape(-1, self.n_kv, self.hd).to(ks.dtype))
+        vs.index_copy_(0, flat, v.reshape(-1, self.n_kv, self.hd).to(vs.dtype))
+        keys = ks[kv_slots].to(q.dtype)  # [B, Lkv, Hkv, D]
+        vals = vs[kv_slots].to(q.dtype)
+        mask = batch.mask
+        if self.window is not None and batch.kv_positions is not None:
+            dist = batch.positions[:, :, None] - batch.kv_positions[:, None, :]  # [B, Q, Lkv]
+            mask = mask & (dist < self.window)
+        if self.top_k is not None and batch.kv_positions is not None:
+            mask = sparse_select(q, keys, mask, batch.positions, batch.kv_positions, self.top_k, self.local)
+            if kv.track_selection and batch.observe is not None:
+                batch.observe(layer, batch, mask, kv.token_bytes, self.top_k + self.local)
+        # a fully masked row (padding query) would give NaN: let it see column 0 instead
+        mask = mask | (~mask.any(-1, keepdim=True) & (torch.arange(mask.shape[-1], device=mask.device) == 0))
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                              attn_mask=mask[:, None], enable_gqa=True)

@@ -1,0 +1,118 @@
+"""allocator=swa for real: sliding layers keep K/V only in the window pool, and every commit frees
+the window-pool pages of tokens that left the window; greedy output stays the target's own."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specpipe.allocators.swa import SWAAllocator
+from specpipe.app import run
+from specpipe.errors import ConfigError
+from specpipe.models.attention_batch import extend_batch
+from specpipe.models.random_tiny import build_random_tiny
+from specpipe.stages.prepare_decode import PrepareDecode, target_kv_layout
+from helpers import compose, write_prompts
+
+WINDOW = 16
+NEW = 40
+LENGTHS = [40, 47, 55, 64]
+SWA_SLOTS = 320  # < the 366+ tokens the batch ends with: the run only fits if eviction works
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    rng = random.Random(7)
+    alphabet = "abcdefghij klmnop=():\n_"
+    prompts = ["".join(rng.choice(alphabet) for _ in range(n)) for n in LENGTHS]
+    return write_prompts(tmp_path_factory.mktemp("swa") / "prompts.jsonl", prompts)
+
+
+def decode(path, layers, *overrides):
+    cfg = compose("model=random_tiny", "device.dtype=float64", f"model.sliding_window={WINDOW}",
+                  f"model.sliding_layers={layers}", f"workload.prompts_file={path}",
+                  f"workload.max_new_tokens={NEW}", "workload.batch_size=4", *overrides)
+    out = run(cfg, quiet=True)
+    return [r.output_ids for r in out["requests"]], out["metrics"]
+
+
+_baseline = {}
+
+
+def baseline(path, layers):
+    if layers not in _baseline:
+        _baseline[layers] = decode(path, layers, "draft=none", "allocator=token")[0]
+    return _baseline[layers]
+
+
+@pytest.mark.parametrize("layers,topk,ps", [("alternate", 1, 1), ("alternate", 4, 1), ("alternate", 1, 16),
+                                            ("alternate", 4, 16), ("all", 4, 1), ("all", 1, 16)])
+def test_swa_greedy_is_lossless_and_evicts(path, layers, topk, ps):
+    want = baseline(path, layers)
+    got, m = decode(path, layers, "allocator=swa", f"allocator.window={WINDOW}", f"allocator.page_size={ps}",
+                    f"allocator.swa_num_slots={SWA_SLOTS}", "allocator.debug=true", f"draft.topk={topk}")
+    assert got == want
+    assert m["swa_evicted_tokens"] > 0
+    assert sum(LENGTHS) + sum(len(w) for w in want) > SWA_SLOTS  # without eviction the window pool overflows
+    assert m["swa_window_peak_slots"] <= SWA_SLOTS
+    assert m["kv_leaked_slots"] == 0 and m["kv_full_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
+
+
+def test_swa_needs_a_sliding_model(path):
+    cfg = compose("model=random_tiny", f"workload.prompts_file={path}", "allocator=swa", "allocator.window=16")
+    with pytest.raises(ConfigError, match="no sliding-window layers.*model.sliding_window=64"):
+        run(cfg, quiet=True)
+
+
+def test_swa_window_smaller_than_model_window_is_an_error(path):
+    with pytest.raises(ConfigError, match="allocator.window=8 is smaller than the model's sliding window of 16"):
+        decode(path, "all", "allocator=swa", "allocator.window=8")
+
+
+def test_swa_larger_allocator_window_is_fine(path):
+    got, m = decode(path, "alternate", "draft=none", "allocator=swa", f"allocator.window={2 * WINDOW}")
+    assert got == baseline(path, "alternate")
+    assert m["kv_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
+
+
+def test_sliding_layers_read_only_the_window_pool():
+    """Window storage is sized swa_pool_slots; every window slot the row does not own (evicted,
+    free, the padding sink) is filled with garbage before each step and the logits do not move."""
+    window, prompt, steps = 8, 40, 16
+    pair = build_random_tiny(dtype="float64", sliding_window=window, sliding_layers="alternate")
+    target = pair.target
+    alloc = SWAAllocator(256, 1, window=window, swa_num_slots=48, debug=True)  # 48 < 56 tokens decoded
+    kv = target.setup_kv(alloc.pool_slots, **target_kv_layout(pair, alloc))
+    assert tuple(kv.wk.shape[:2]) == (1, alloc.swa_pool_slots)  # layer 0 slides: window pool only
+    assert tuple(kv.k.shape[:2]) == (1, alloc.pool_slots)  # layer 1 is full
+    prep = PrepareDecode(alloc, 1, 128, torch.device("cpu"))
+    row = np.asarray([prep.acquire_row()])
+    row_t = torch.from_numpy(row)
+    tokens = torch.randint(0, 250, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert prep.reserve(row, np.asarray([prompt]))
+    n = torch.tensor([prompt])
+    with torch.no_grad():
+        h = target(torch.tensor([tokens]), prep.decorate(extend_batch(prep.table, row_t, n * 0, n, prompt, 48)))
+        prep.commit(row, np.asarray([prompt]))
+        prep.after_commit(row)
+        assert prep.evicted[row[0]] == prompt - window - 1
+        nxt = int(target.logits(h[0, -1]).argmax())
+        for _ in range(steps):
+            tokens.append(nxt)
+            assert prep.reserve(row, np.ones(1, dtype=np.int64))
+            L = prep.seq_len[row]
+            owned = alloc.translate(prep.table[row[0], : prep.alloc_len[row[0]]])
+            garbage = torch.ones(alloc.swa_pool_slots, dtype=torch.bool)
+            garbage[owned[owned > 0]] = False
+            kv.wk[:, garbage], kv.wv[:, garbage] = 1e3, -1e3
+            L_t = torch.from_numpy(L)
+            batch = prep.decorate(extend_batch(prep.table, row_t, L_t, torch.ones_like(L_t), 1, 64))
+            got = target.logits(target(torch.tensor([[nxt]]), batch)[0, -1])
+            ref = target.logits(target(torch.tensor([tokens]))[0, -1])  # full causal forward, no pool
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-9)
+            nxt = int(got.argmax())
+            prep.commit(row, L + 1)
+            prep.after_commit(row)
+            assert alloc.swa.size - alloc.swa_available() <= window + 2  # bounded: window + ps + newest
+    prep.release_rows(row.tolist())
+    assert alloc.swa_available() == alloc.swa.size and alloc.full_available() == alloc.full.size
