@@ -1,0 +1,89 @@
+"""python -m specpipe.report on a hand-made sweep dir: CSV rows, markdown sorted by tokens/s, a real PNG."""
+import csv
+import json
+
+import pytest
+
+from specpipe.report import UNFINISHED, main
+
+JOBS = {  # job -> (overrides, metrics or None, error or None)
+    "0": (["draft.topk=1", "draft.num_steps=3", "model=random_tiny"], dict(tps=310.0, acc=2.1, p90=9.5), None),
+    "1": (["draft.topk=2", "draft.num_steps=3", "model=random_tiny"], dict(tps=455.5, acc=2.9, p90=11.0), None),
+    "2": (["draft.topk=4", "draft.num_steps=3", "model=random_tiny"], dict(tps=402.25, acc=3.3, p90=14.0), None),
+    "3": (["draft.topk=1", "draft.num_steps=5", "model=random_tiny"], None, "specpipe: invalid configuration: x|y"),
+    "10": (["draft.topk=2", "draft.num_steps=5", "model=random_tiny"], None, None),  # interrupted
+}
+
+
+def make_sweep(root, latency_limit_ms=None):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    for name, (overrides, m, err) in JOBS.items():
+        d = root / name
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        if m:
+            (d / "metrics.json").write_text(json.dumps({
+                "tokens_per_s": m["tps"], "accept_length_mean": m["acc"], "step_latency_ms_p90": m["p90"],
+                "num_verify_steps": 7, "recompiles": 0, "wall_s": 0.5,
+                "config": {"latency_limit_ms": latency_limit_ms}}))
+        if err:
+            (d / "error.json").write_text(json.dumps({"error": err}))
+    return root
+
+
+def test_report_writes_csv_markdown_and_png(tmp_path, capsys):
+    sweep = make_sweep(tmp_path / "sweep")
+    out = tmp_path / "out"
+    main([str(sweep), "--out", str(out)])
+    with open(out / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    # one row per job, fastest first, failed and unfinished last in job order; fixed keys are not columns
+    assert [r["job"] for r in table] == ["1", "2", "0", "3", "10"]
+    assert list(table[0])[:3] == ["job", "draft.topk", "draft.num_steps"] and "model" not in table[0]
+    assert float(table[0]["tokens_per_s"]) == 455.5 and table[0]["draft.topk"] == "2"
+    assert table[3]["error"].startswith("specpipe: invalid configuration") and table[3]["tokens_per_s"] == ""
+    assert table[4]["error"] == UNFINISHED
+    md = (out / "report.md").read_text()
+    assert "Best: job 1 (draft.topk=2 draft.num_steps=3), 455.5 tokens/s" in md
+    assert "Fixed in every job: `model=random_tiny`" in md and "within_latency_limit" not in md
+    body = [line for line in md.splitlines() if line.startswith("| ") and "job" not in line]
+    assert [line.split("|")[1].strip() for line in body] == ["1", "2", "0", "3", "10"]
+    assert "455.5" in body[0] and "402.2" in body[1] and "x\\|y" in body[3]  # pipes in errors are escaped
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "report.csv" in capsys.readouterr().out
+
+
+def test_report_defaults_to_the_sweep_dir(tmp_path):
+    sweep = make_sweep(tmp_path)
+    main([str(sweep)])
+    assert all((sweep / f"report.{ext}").is_file() for ext in ("csv", "md", "png"))
+
+
+@pytest.mark.parametrize("setup", ["empty", "only_failed", "missing"])
+def test_no_metrics_is_a_clear_error(tmp_path, capsys, setup):
+    target = tmp_path / "sweep"
+    if setup != "missing":
+        target.mkdir()
+    if setup == "only_failed":
+        (target / "0").mkdir()
+        (target / "0" / "error.json").write_text(json.dumps({"error": "specpipe: bad topk"}))
+    with pytest.raises(SystemExit) as e:
+        main([str(target)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specpipe.report:") and err.count("\n") == 1  # one paragraph
+    assert ("no metrics.json" in err) != (setup == "missing")
+    if setup == "only_failed":
+        assert "specpipe: bad topk" in err
+
+
+def test_latency_limited_sweep_picks_the_fastest_job_within_the_limit(tmp_path):
+    sweep = make_sweep(tmp_path, latency_limit_ms=10.0)
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["job"] for r in table] == ["1", "2", "0", "3", "10"]  # still sorted by tokens/s
+    assert [r["within_latency_limit"] for r in table] == ["no", "no", "yes", "", ""]
+    assert "Best: job 0 (draft.topk=1 draft.num_steps=3), 310.0 tokens/s" in (sweep / "report.md").read_text()

@@ -1,0 +1,221 @@
+"""Sweeps as users run them: in-process weight reuse, joblib, resume, Ctrl-C, ready sweeps, optional plugins."""
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import compose
+
+from specpipe.report import main as report_main
+from specpipe.sweep import finished_metrics, objective, tree_search_space
+from specpipe.validate import to_container, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=8"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def specpipe(*args):
+    return subprocess.run([sys.executable, "-m", "specpipe", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def has_plugin(name: str) -> bool:
+    return importlib.util.find_spec(f"hydra_plugins.{name}") is not None
+
+
+def compose_hydra(overrides: list[str]):
+    """The job config plus the hydra node (sweeper params, launcher), as the command line would compose it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from specpipe.schema import register_schemas
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+
+
+def metrics(sweep: Path, job: int) -> dict:
+    return json.loads((sweep / str(job) / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+def test_in_process_multirun_loads_weights_once_and_reports(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    p = specpipe("-m", "draft.topk=1,2", "allocator=token,paged", *SMALL, f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr
+    ms = [metrics(sweep, i) for i in range(4)]
+    assert [m["model_loads_in_process"] for m in ms] == [1, 1, 1, 1]  # one load, reused by the next three jobs
+    shapes = {(m["config"]["draft"]["topk"], m["config"]["allocator"]["page_size"]) for m in ms}
+    assert shapes == {(1, 1), (1, 16), (2, 1), (2, 16)}
+    report_main([str(sweep)])
+    lines = (sweep / "report.csv").read_text().splitlines()
+    assert lines[0].startswith("job,draft.topk,allocator,tokens_per_s") and len(lines) == 5
+    tps = [float(x.split(",")[3]) for x in lines[1:]]
+    assert tps == sorted(tps, reverse=True) and (sweep / "report.png").stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_joblib_multirun_runs_two_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = specpipe("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "draft.topk=1,2", *SMALL,
+                 f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr
+    assert "Joblib.Parallel(n_jobs=2" in p.stdout + p.stderr
+    assert [metrics(sweep, i)["config"]["draft"]["topk"] for i in range(2)] == [1, 2]
+    assert all(metrics(sweep, i)["generated_tokens"] == 16 for i in range(2))
+
+
+@pytest.mark.slow
+def test_resume_reruns_only_unfinished_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "draft.num_steps=2,3,0", *SMALL, f"hydra.sweep.dir={sweep}"]  # job 2 is invalid
+    p = specpipe(*args)
+    assert p.returncode == 0, p.stderr  # one bad point does not end the sweep ...
+    assert "draft.num_steps=0 must be >= 1" in json.loads((sweep / "2" / "error.json").read_text())["error"]
+    assert not (sweep / "2" / "metrics.json").exists()  # ... and is recorded, not reported as a result
+    kept = (sweep / "0" / "metrics.json").stat().st_mtime_ns
+    (sweep / "1" / "metrics.json").unlink()  # as if job 1 had been interrupted
+    failed_at = (sweep / "2" / "error.json").stat().st_mtime_ns
+    p = specpipe(*args, "resume=true")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("skipped") == 1 and f"{sweep / '0'} already has metrics.json" in p.stderr
+    assert (sweep / "0" / "metrics.json").stat().st_mtime_ns == kept  # finished job not run again
+    assert metrics(sweep, 1)["config"]["draft"]["num_steps"] == 3  # the missing one ran
+    assert (sweep / "2" / "error.json").stat().st_mtime_ns > failed_at  # a failed job is retried
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_finished_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "workload.max_new_tokens=8,3000", "model=random_tiny", "model.max_position=4096",
+            "workload.num_prompts=1", f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "specpipe", *args], cwd=ROOT, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 120
+        while not (sweep / "1" / ".hydra" / "overrides.yaml").exists():  # job 0 done, job 1 (~10 s) started
+            assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before job 1 started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in (tmp_path / "stderr.txt").read_text()
+    assert metrics(sweep, 0)["generated_tokens"] == 8 and (sweep / "0" / "completions.jsonl").is_file()
+    assert not (sweep / "1" / "metrics.json").exists()  # the interrupted job does not look finished
+
+
+SWEEPS = sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_ready_sweeps_compose_and_validate_at_every_point(name):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if name.startswith("optuna") and not has_plugin("hydra_optuna_sweeper"):
+        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
+    cfg = compose_hydra([f"sweep={name}"])
+    assert cfg.hydra.mode.name == "MULTIRUN"
+    params = cfg.hydra.sweeper.params
+    assert params, f"conf/sweep/{name}.yaml sweeps nothing"
+    if name.startswith("optuna"):
+        return  # a search space, not a grid: test_optuna_sweep runs it
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    points = [[]]
+    for o in parsed:
+        points = [p + [f"{o.get_key_element()}={v}"] for p in points for v in o.sweep_string_iterator()]
+    assert len(points) > 1
+    for point in points:
+        validate(compose(f"sweep={name}", *point))
+
+
+def test_resume_reuses_only_the_same_config(tmp_path):
+    cfg = compose(*SMALL)
+    assert finished_metrics(cfg, str(tmp_path)) is None
+    (tmp_path / "metrics.json").write_text(json.dumps({"tokens_per_s": 5.0, "config": to_container(cfg)}))
+    assert finished_metrics(cfg, str(tmp_path))["tokens_per_s"] == 5.0
+    cfg.resume, cfg.latency_limit_ms = True, 3.0  # scoring and skipping knobs do not change the run
+    assert finished_metrics(cfg, str(tmp_path)) is not None
+    cfg.draft.topk = 1  # a different run in the same job dir (e.g. a re-used sweep dir) is run, not reused
+    assert finished_metrics(cfg, str(tmp_path)) is None
+    (tmp_path / "metrics.json").write_text("{trunc")
+    assert finished_metrics(cfg, str(tmp_path)) is None
+
+
+def test_objective_ranks_every_run_within_the_latency_limit_first():
+    fast_slow = {"tokens_per_s": 900.0, "step_latency_ms_p90": 30.0}
+    slow_ok = {"tokens_per_s": 100.0, "step_latency_ms_p90": 10.0}
+    assert objective(fast_slow, None) == 900.0
+    assert objective(slow_ok, 20.0) == 100.0 and objective(fast_slow, 20.0) == -1.5
+    assert objective({"tokens_per_s": 1.0, "step_latency_ms_p90": 60.0}, 20.0) < objective(fast_slow, 20.0)
+
+
+def test_tree_search_space_keeps_num_draft_tokens_valid():
+    class Trial:
+        def __init__(self, k, s):
+            self.params, self.asked = {"draft.topk": k, "draft.num_steps": s}, None
+
+        def suggest_int(self, name, low, high):
+            self.asked = (name, low, high)
+
+    for (k, s), bounds in {(1, 2): (3, 3), (2, 2): (3, 7), (4, 2): (3, 16), (4, 6): (7, 16)}.items():
+        t = Trial(k, s)
+        tree_search_space(None, t)
+        assert t.asked == ("draft.num_draft_tokens", *bounds)
+
+
+def test_slurm_launcher_config_renders_an_sbatch_script(tmp_path, monkeypatch):
+    if not has_plugin("hydra_submitit_launcher"):
+        pytest.skip("hydra-submitit-launcher is not installed (pip install 'specpipe[slurm]')")
+    import submitit
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = compose_hydra(["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.sweep.dir=" + str(tmp_path)])
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "SlurmLauncher"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")  # submitit only checks that srun exists
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    params.pop("_target_")
+    # the parameter hand-over of hydra_submitit_launcher's launch(): unknown keys raise here
+    ex = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
+                               slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name",
+            "stderr_to_stdout"}
+    ex.update_parameters(**{k if k in base else f"slurm_{k}": v for k, v in params.items()})
+    script = ex._executor._make_submission_file_text("python -m specpipe", "0")
+    for line in ("--partition=gpu", "--gpus-per-node=1", "--cpus-per-task=8", "--time=60", "--mem=64GB"):
+        assert f"#SBATCH {line}" in script
+
+
+@pytest.mark.slow
+def test_optuna_sweep_maximizes_tokens_per_s(tmp_path):
+    if not has_plugin("hydra_optuna_sweeper"):
+        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
+    sweep = tmp_path / "sweep"
+    p = specpipe("sweep=optuna_tree", "hydra.sweeper.n_trials=3", "latency_limit_ms=1000", *SMALL,
+                 f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr
+    best = (sweep / "optimization_results.yaml").read_text()
+    assert "best_params" in best and "draft.num_draft_tokens" in best
+    assert len(list(sweep.glob("*/metrics.json"))) == 3
+
+
+@pytest.mark.slow
+def test_ray_local_launcher_runs_two_jobs(tmp_path):
+    if not has_plugin("hydra_ray_launcher"):
+        pytest.skip("hydra-ray-launcher is not installed (pip install 'specpipe[ray]')")
+    sweep = tmp_path / "sweep"
+    p = specpipe("-m", "hydra/launcher=ray_local", "draft.topk=1,2", *SMALL, f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 0, p.stderr
+    assert [metrics(sweep, i)["config"]["draft"]["topk"] for i in range(2)] == [1, 2]
