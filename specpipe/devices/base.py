@@ -1,36 +1,171 @@
-"""A Device describes one accelerator kind as data plus a few methods; nothing else asks which device runs."""
+"""A Device describes one accelerator kind as data plus a few methods; nothing else asks which device runs.
+
+`Device.compile(fn, policy)` is the only place a branch gets compiled or graph-captured: it checks
+the policy against `compile_policy.DEVICE_SUPPORT[name]` (the table validation reads) and
+translates the device-independent words. Subclasses override `compile_fn` and `graph_fn`.
+"""
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from specpipe.compile_policy import BranchPolicy
+from specpipe.compile_policy import DEVICE_SUPPORT, BranchPolicy, device_problem
+from specpipe.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def use_build_inductor_cache() -> str:
+    """Keep Inductor's on-disk cache in <repo>/build/inductor-cache unless the user chose a folder.
+
+    A warm cache turns a 7-9 s compile into ~2 s; the default (/tmp) is lost on reboot and shared.
+    """
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / "build" / "inductor-cache"))
+
+
+def tensor_leaves(x: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside nested tuples, lists, dicts and dataclasses (e.g. an AttentionBatch)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from tensor_leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from tensor_leaves(y)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from tensor_leaves(getattr(x, f.name))
+
+
+def deview(x: Any) -> Any:
+    """`x` with every view tensor replaced by a detached alias (same storage and strides, no `_base`).
+
+    Dynamo guards a view input's base too, so a branch compiled on a view recompiles when it later
+    gets a plain tensor (the eager draft's reshaped outputs vs. a tensor gathered after a join).
+    A graph compiled on plain tensors also accepts views of the same strides.
+    """
+    if isinstance(x, torch.Tensor):
+        return x.detach() if x._base is not None else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(deview(y) for y in x)
+    if isinstance(x, dict):
+        return {k: deview(v) for k, v in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: deview(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
+    return x
+
+
+def mark_batch_dims(args: Any) -> None:
+    """Compile dim 0 of every input tensor as a size that is never specialized (an unbacked size).
+
+    The running batch shrinks and grows every few steps. Left to Dynamo, a batch of 1 gets its own
+    graph (0/1 specialization) and B == topk at the first call ties the two sizes (duck sizing);
+    an unbacked size avoids both, so one graph serves every batch size. Other dims follow the
+    policy's `dynamic` option. Dim 0 is the batch by the stages' convention: every branch argument
+    is request-major ([B, ...] or [B*K, ...]); weights are reached through `self`, not passed.
+    """
+    from torch._dynamo.decorators import mark_unbacked
+
+    for t in tensor_leaves(args):
+        if t.dim() > 0:
+            mark_unbacked(t, 0)
+
+
+class BatchGeneric:
+    """A torch.compile'd branch whose first calls get plain, batch-generic inputs (see deview, mark_batch_dims).
+
+    Both matter only while Dynamo traces, and cost ~1 µs per tensor, so they stop after
+    `mark_calls` calls: by then every graph a branch needs (e.g. the fused draft top-k's step
+    kinds 0, 1 and >= 2) has been traced.
+    """
+
+    def __init__(self, fn: Callable, compiled: Callable, mark_calls: int = 8):
+        self.fn, self.compiled, self.marks_left = fn, compiled, mark_calls
+        self.__name__ = getattr(fn, "__name__", "branch")
+        self.__self__ = getattr(fn, "__self__", None)
+
+    def __call__(self, *args, **kwargs):
+        if self.marks_left:
+            self.marks_left -= 1
+            args, kwargs = deview(args), deview(kwargs)
+            mark_batch_dims((args, kwargs))
+        return self.compiled(*args, **kwargs)
 
 
 class Device:
-    name = "base"
-    supported_modes: frozenset = frozenset({"eager", "compile"})
-    capabilities: frozenset = frozenset()
-    allocator_kernels = "torch"  # which allocator kernels pay on this device
+    """One accelerator kind: data (name, dtype, dist backend, capabilities, allocator kernels) plus
+    synchronize, memory_stats and compile. Subclasses set the data and override what differs."""
 
-    def __init__(self, dtype: str = "float32", index: int = 0):
-        self.dtype = DTYPES[dtype]
+    name = "base"
+    dist_backend = "gloo"
+    capabilities: frozenset = frozenset()  # what the hardware offers, asked instead of the device's name
+    allocator_kernels = "torch"  # which allocator kernels pay on this device
+    default_dtype = "float32"
+
+    def __init__(self, dtype: Optional[str] = None, index: int = 0):
+        self.dtype = DTYPES[dtype or self.default_dtype]
         self.index = index
-        self.torch_device = torch.device(self.name)
+        self.torch_device = self.make_torch_device(index)
+
+    def make_torch_device(self, index: int) -> torch.device:
+        return torch.device(self.name, index)
+
+    @property
+    def supported_modes(self) -> frozenset:
+        return DEVICE_SUPPORT[self.name].modes
 
     def synchronize(self) -> None:
-        pass
+        """Wait for queued work (timing needs it); `torch.<name>.synchronize` by the namespace trick."""
+        getattr(torch, self.name).synchronize()
 
     def memory_stats(self) -> dict:
         return {}
 
-    def compile(self, fn: Callable, policy: BranchPolicy) -> Callable:
-        """Wrap one branch according to its policy."""
+    # ---- compile policies ----------------------------------------------------------------
+    def compile(self, fn: Callable, policy: BranchPolicy, name: Optional[str] = None) -> Callable:
+        """Wrap one branch according to its policy; ConfigError when this device cannot run it."""
         if policy.mode == "eager":
             return fn
+        problem = device_problem(policy, self.name)
+        if problem:
+            raise ConfigError(f"compile policy {str(policy)!r} for {name or branch_name(fn)}: {problem}")
+        use_build_inductor_cache()
         if policy.mode == "compile":
-            return torch.compile(fn, **policy.kwargs)
-        raise ValueError(f"device {self.name} cannot run policy {policy} (valid: {sorted(self.supported_modes)})")
+            return self.compile_fn(fn, policy.kwargs)
+        if policy.mode == "graph":
+            return self.graph_fn(fn)
+        from specpipe.autotune import AutoBranch
+
+        return AutoBranch(name or branch_name(fn), self.auto_candidates(fn, policy.kwargs), self.synchronize)
+
+    def compile_fn(self, fn: Callable, options: dict) -> Callable:
+        """torch.compile with the policy's options (`mode=default` is torch's None), batch dim generic.
+
+        Not with mode=reduce-overhead: its CUDA graphs are recorded per concrete size anyway.
+        """
+        kwargs = {k: v for k, v in options.items() if not (k == "mode" and v == "default")}
+        compiled = torch.compile(fn, **kwargs)
+        return compiled if kwargs.get("mode") == "reduce-overhead" else BatchGeneric(fn, compiled)
+
+    def graph_fn(self, fn: Callable) -> Callable:
+        raise ConfigError(f"device {self.name} has no graph capture for {branch_name(fn)}")
+
+    def auto_candidates(self, fn: Callable, options: dict) -> dict[str, Callable]:
+        """What `auto` times: eager first (the reference), then every mode this device runs natively."""
+        cands = {"eager": fn, "compile": self.compile_fn(fn, options)}
+        if "graph" in self.supported_modes:
+            cands["graph"] = self.graph_fn(fn)
+        return cands
+
+
+def branch_name(fn: Callable) -> str:
+    """`stage.branch` for a bound branch method (e.g. draft_topk.later), else the function's name."""
+    owner = getattr(fn, "__self__", None)
+    base = getattr(fn, "__name__", type(fn).__name__)
+    return f"{owner.name}.{base}" if owner is not None and hasattr(owner, "name") else base

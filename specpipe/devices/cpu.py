@@ -1,15 +1,34 @@
-"""CPU: the embedded default. torch.compile uses inductor (needs a C++ compiler); no graph capture."""
+"""CPU: the embedded default. `compile` runs inductor (needs the machine's C++ compiler); no graph capture."""
 from __future__ import annotations
+
+import resource
+import sys
+from typing import Callable
 
 import torch
 
 from specpipe.devices.base import Device
+from specpipe.errors import ConfigError
 
 
 class CpuDevice(Device):
     name = "cpu"
-    supported_modes = frozenset({"eager", "compile"})
+    dist_backend = "gloo"
+    capabilities = frozenset({"inductor"})
+    allocator_kernels = "torch"
+    default_dtype = "float32"
 
-    def __init__(self, dtype: str = "float32", index: int = 0):
-        super().__init__(dtype, index)
-        self.torch_device = torch.device("cpu")
+    def make_torch_device(self, index: int) -> torch.device:
+        return torch.device("cpu")  # one CPU device; `index` only matters on accelerators
+
+    def synchronize(self) -> None:
+        pass  # CPU ops finish before they return
+
+    def memory_stats(self) -> dict:
+        """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"peak_rss_bytes": int(peak if sys.platform == "darwin" else peak * 1024)}
+
+    def graph_fn(self, fn: Callable) -> Callable:
+        raise ConfigError("device cpu cannot run 'graph': a CPU has no graph capture (that needs CUDA or NPU "
+                          "graphs); use compile or eager here, or run with device=cuda or device=npu")

@@ -1,0 +1,215 @@
+"""Devices as data, policy translation per device, and the device-unavailable messages.
+
+No CUDA GPU or Ascend NPU here: the CUDA and NPU paths run against stubs (objects named Stub*,
+injected with monkeypatch into torch.cuda / torch.npu / sys.modules) that record what the
+device asked for. Real-hardware runs are the `cuda` / `npu` marked suites.
+"""
+import logging
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from specpipe.autotune import AutoBranch
+from specpipe.compile_policy import parse_policy
+from specpipe.devices import explain_backend_load_error
+from specpipe.devices.base import REPO_ROOT, BatchGeneric, use_build_inductor_cache
+from specpipe.devices.cpu import CpuDevice
+from specpipe.devices.graphs import GraphBranch
+from specpipe.errors import ConfigError, DeviceUnavailableError
+
+
+def double(x):
+    return x * 2
+
+
+# ---- cpu -------------------------------------------------------------------------------------
+def test_cpu_device_describes_itself():
+    d = CpuDevice()
+    assert (d.name, d.torch_device, d.dtype, d.dist_backend) == ("cpu", torch.device("cpu"), torch.float32, "gloo")
+    assert d.allocator_kernels == "torch" and "inductor" in d.capabilities
+    assert d.supported_modes == {"eager", "compile", "auto"}
+    assert CpuDevice("bfloat16").dtype == torch.bfloat16
+    d.synchronize()
+    assert d.memory_stats()["peak_rss_bytes"] > 0
+
+
+def test_cpu_translates_policies():
+    d = CpuDevice()
+    assert d.compile(double, parse_policy("eager")) is double
+    assert isinstance(d.compile(double, parse_policy("compile(backend=eager)")), BatchGeneric)
+    auto = d.compile(double, parse_policy("auto(backend=eager)"))
+    assert isinstance(auto, AutoBranch) and list(auto.candidates) == ["eager", "compile"]
+    with pytest.raises(ConfigError, match="no graph capture"):
+        d.graph_fn(double)  # the device-side error, even when the policy check is bypassed
+
+
+@pytest.mark.parametrize("text, words", [
+    ("graph", ["cpu cannot run 'graph'", "no graph capture", "device=cuda"]),
+    ("compile(mode=reduce-overhead)", ["reduce-overhead", "CUDA graphs"]),
+])
+def test_cpu_refuses_what_it_cannot_run(text, words):
+    with pytest.raises(ConfigError) as e:
+        CpuDevice().compile(double, parse_policy(text))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_inductor_cache_defaults_into_the_build_folder(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_build_inductor_cache() == str(REPO_ROOT / "build" / "inductor-cache")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(REPO_ROOT / "build" / "inductor-cache")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    assert use_build_inductor_cache() == "/elsewhere"
+
+
+# ---- cuda (stubbed) --------------------------------------------------------------------------
+def test_cuda_unavailable_says_why_and_what_to_install(monkeypatch):
+    from specpipe.devices.cuda import CudaDevice
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(DeviceUnavailableError, match="CPU build.*pip install torch==2.13.0"):
+        CudaDevice()
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(DeviceUnavailableError, match="built for CUDA 12.8 but no CUDA GPU"):
+        CudaDevice()
+
+
+@pytest.fixture
+def stub_cuda(monkeypatch):
+    """STUB: torch.cuda reports one GPU; torch.compile records its arguments instead of compiling."""
+    from specpipe.devices.cuda import CudaDevice
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    return CudaDevice, calls
+
+
+def test_cuda_translates_policies(stub_cuda):
+    CudaDevice, calls = stub_cuda
+    d = CudaDevice()
+    assert (d.torch_device, d.dtype, d.allocator_kernels, d.dist_backend) == (
+        torch.device("cuda", 0), torch.bfloat16, "triton", "nccl")
+    d.compile(double, parse_policy("compile(dynamic=false, fullgraph=true, mode=max-autotune-no-cudagraphs)"))
+    assert calls[-1] == {"dynamic": False, "fullgraph": True, "mode": "max-autotune-no-cudagraphs"}
+    d.compile(double, parse_policy("compile(mode=default)"))
+    assert calls[-1] == {}  # torch's default mode is None
+    assert d.compile(double, parse_policy("compile(mode=reduce-overhead)")) is double  # no batch marks: cudagraphs
+    g = d.compile(double, parse_policy("graph"))
+    assert isinstance(g, GraphBranch) and g.api is torch.cuda and g.graph_cls == "CUDAGraph"
+    auto = d.compile(double, parse_policy("auto"))
+    assert list(auto.candidates) == ["eager", "compile", "graph"]
+    with pytest.raises(DeviceUnavailableError, match="device.index=3 but 1 CUDA GPU"):
+        CudaDevice(index=3)
+
+
+# ---- npu (stubbed) ---------------------------------------------------------------------------
+def test_npu_without_torch_npu(monkeypatch):
+    from specpipe.devices.npu import NpuDevice
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ModuleNotFoundError
+    with pytest.raises(DeviceUnavailableError, match="torch_npu package is not installed.*pip install torch-npu"):
+        NpuDevice()
+    monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    with pytest.raises(DeviceUnavailableError, match="TORCH_DEVICE_BACKEND_AUTOLOAD=0 is set"):
+        NpuDevice()
+
+
+def test_npu_when_torch_cannot_load_the_extension(monkeypatch, tmp_path):
+    """STUB torch_npu package whose import fails the way torch's backend autoload does without CANN."""
+    from specpipe.devices.npu import NpuDevice
+
+    pkg = tmp_path / "torch_npu"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "try:\n    raise OSError('libhccl.so: cannot open shared object file')\n"
+        "except OSError as e:\n    raise RuntimeError('Failed to load the backend extension: torch_npu. You can "
+        "disable extension auto-loading with TORCH_DEVICE_BACKEND_AUTOLOAD=0.') from e\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    with pytest.raises(DeviceUnavailableError) as e:
+        NpuDevice()
+    msg = str(e.value)
+    assert "torch_npu failed to load" in msg and "libhccl.so" in msg and "CANN" in msg, msg
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in msg
+
+
+def test_backend_load_error_wording():
+    err = RuntimeError("Failed to load the backend extension: torch_npu. You can disable ...")
+    assert "Ascend CANN" in explain_backend_load_error(err)
+    assert "foo_ext failed to load" in explain_backend_load_error(
+        RuntimeError("Failed to load the backend extension: foo_ext. x"))
+    assert explain_backend_load_error(RuntimeError("something else")) is None
+
+
+class StubTorchair(types.ModuleType):
+    """STUB of torchair: get_npu_backend returns a tag naming the CompilerConfig.mode it was given."""
+
+    class CompilerConfig:
+        mode = "max-autotune"
+
+    def __init__(self):
+        super().__init__("torchair")
+
+    @staticmethod
+    def get_npu_backend(compiler_config):
+        return f"torchair[{compiler_config.mode}]"
+
+
+@pytest.fixture
+def stub_npu(monkeypatch):
+    """STUB torch_npu + torch.npu (one visible NPU, device objects on the CPU) and a recording torch.compile."""
+    from specpipe.devices.npu import NpuDevice
+
+    npu = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1, synchronize=lambda: None)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    monkeypatch.setattr(NpuDevice, "make_torch_device", lambda self, index: torch.device("cpu"))
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or ("compiled", fn))
+    return NpuDevice, npu, calls
+
+
+def test_npu_unavailable_without_a_visible_npu(stub_npu):
+    NpuDevice, npu, _ = stub_npu
+    npu.is_available = lambda: False
+    with pytest.raises(DeviceUnavailableError, match="no Ascend NPU is visible"):
+        NpuDevice()
+
+
+def test_npu_compile_without_torchair_runs_eager_with_one_notice(stub_npu, monkeypatch, caplog):
+    NpuDevice, npu, calls = stub_npu
+    monkeypatch.setitem(sys.modules, "torchair", None)
+    d = NpuDevice()
+    assert (d.dtype, d.dist_backend, d.allocator_kernels) == (torch.bfloat16, "hccl", "torch")
+    with caplog.at_level(logging.WARNING, logger="specpipe.devices.npu"):
+        assert d.compile(double, parse_policy("compile")) is double
+        assert d.compile(double, parse_policy("compile(dynamic=false)")) is double
+    assert len([r for r in caplog.records if "torchair is not installed" in r.message]) == 1
+    assert calls == []
+    with pytest.raises(ConfigError, match="neither torchair nor torch_npu's NPUGraph"):
+        d.compile(double, parse_policy("graph"))
+    npu.NPUGraph, npu.graph = object, object  # torch_npu with graph capture
+    g = d.compile(double, parse_policy("graph"))
+    assert isinstance(g, GraphBranch) and g.api is npu and g.graph_cls == "NPUGraph"
+    assert list(d.compile(double, parse_policy("auto")).candidates) == ["eager", "graph"]
+
+
+def test_npu_compile_and_graph_use_torchair(stub_npu, monkeypatch):
+    NpuDevice, _, calls = stub_npu
+    monkeypatch.setitem(sys.modules, "torchair", StubTorchair())
+    d = NpuDevice()
+    d.compile(double, parse_policy("compile(dynamic=true)"))
+    assert calls[-1] == {"backend": "torchair[max-autotune]", "dynamic": True}
+    d.compile(double, parse_policy("compile(mode=reduce-overhead, fullgraph=true)"))
+    assert calls[-1] == {"backend": "torchair[reduce-overhead]", "fullgraph": True}
+    d.compile(double, parse_policy("compile(backend=aot_eager)"))
+    assert calls[-1] == {"backend": "aot_eager"}  # a debugging backend bypasses torchair
+    d.compile(double, parse_policy("graph"))
+    assert calls[-1] == {"backend": "torchair[reduce-overhead]", "dynamic": False}
+    with pytest.raises(ConfigError, match="torchair, not inductor"):
+        d.compile(double, parse_policy("compile(backend=inductor)"))

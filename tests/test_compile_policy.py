@@ -1,0 +1,126 @@
+"""The policy language: valid forms, every parse error (caret under the bad token, valid words
+listed), per-device checks at validation time, and the presets in conf/compile/."""
+from pathlib import Path
+
+import pytest
+
+from helpers import compose
+from specpipe.cli_errors import precheck
+from specpipe.compile_policy import DEVICE_SUPPORT, BranchPolicy, PolicyError, device_problem, parse_policy
+from specpipe.errors import ConfigError
+from specpipe.validate import validate
+
+PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "compile").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("text, mode, options", [
+    ("eager", "eager", {}),
+    ("compile", "compile", {}),
+    ("compile()", "compile", {}),
+    ("graph", "graph", {}),
+    ("auto", "auto", {}),
+    ("  compile ( dynamic = False ) ", "compile", {"dynamic": False}),
+    ("compile(dynamic=false, fullgraph=true, mode=max-autotune-no-cudagraphs)", "compile",
+     {"dynamic": False, "fullgraph": True, "mode": "max-autotune-no-cudagraphs"}),
+    ("compile(dynamic=none, backend=aot_eager)", "compile", {"dynamic": None, "backend": "aot_eager"}),
+    ("compile(dynamic=null)", "compile", {"dynamic": None}),
+    ("auto(dynamic=true)", "auto", {"dynamic": True}),
+])
+def test_valid_policies(text, mode, options):
+    p = parse_policy(text)
+    assert (p.mode, p.kwargs) == (mode, options)
+    assert parse_policy(str(p)) == p  # str() writes the canonical form back
+
+
+def test_policy_str_is_canonical():
+    p = BranchPolicy("compile", (("dynamic", False), ("mode", "default")))
+    assert str(p) == "compile(dynamic=false, mode=default)"
+    assert str(parse_policy("compile(mode=max-autotune, dynamic=none)")) == "compile(dynamic=none, mode=max-autotune)"
+
+
+@pytest.mark.parametrize("text, bad, words", [
+    ("compil", "compil", ["unknown mode 'compil'", "valid: eager, compile, graph, auto", "did you mean 'compile'"]),
+    ("Eager", "Eager", ["unknown mode 'Eager'"]),
+    ("", " ", ["empty policy", "valid: eager"]),
+    ("(dynamic=true)", "(", ["unknown mode '('"]),
+    ("eager(dynamic=true)", "(dynamic=true)", ["'eager' takes no options", "only compile and auto"]),
+    ("graph()", "()", ["'graph' takes no options"]),
+    ("compile(dynamc=true)", "dynamc", ["unknown option 'dynamc'", "valid keys: dynamic, fullgraph, mode, backend",
+                                        "did you mean 'dynamic'"]),
+    ("compile(dynamic)", ")", ["expected '=' after 'dynamic'"]),
+    ("compile(dynamic=)", ")", ["')' is not a valid value for dynamic", "valid: true, false, none"]),
+    ("compile(dynamic=maybe)", "maybe", ["'maybe' is not a valid value for dynamic", "valid: true, false, none"]),
+    ("compile(fullgraph=none)", "none", ["'none' is not a valid value for fullgraph", "valid: true, false"]),
+    ("compile(mode=fast)", "fast", ["'fast' is not a valid value for mode", "max-autotune-no-cudagraphs"]),
+    ("compile(backend=tvm)", "tvm", ["'tvm' is not a valid value for backend", "valid: inductor, aot_eager, eager"]),
+    ("compile(dynamic=1)", "1", ["'1' is not a valid value for dynamic"]),
+    ("compile(dynamic=true, dynamic=false)", "dynamic", ["option 'dynamic' is given twice"]),
+    ("compile(dynamic=true fullgraph=true)", "fullgraph", ["expected ',' or ')' after dynamic=true"]),
+    ("compile(dynamic=true", " ", ["found the end of the text"]),
+    ("compile(,)", ",", ["unknown option ','"]),
+    ("compile(dynamic=true))", ")", ["unexpected ')' after 'compile(dynamic=true)'"]),
+    ("eager eager", "eager", ["unexpected 'eager' after 'eager'"]),
+    ("compile;", ";", ["unexpected ';' after 'compile'"]),
+])
+def test_parse_errors_point_at_the_bad_token(text, bad, words):
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text)
+    msg, err = str(e.value), e.value
+    assert all(w in msg for w in words), msg
+    shown, caret = msg.splitlines()[-2:]
+    assert shown == "    " + err.text
+    start = caret.index("^")
+    assert (err.text + " ")[start - 4: start - 4 + len(bad)] == bad, msg  # carets sit under the bad token
+
+
+def test_non_string_policy():
+    with pytest.raises(PolicyError, match="is not a policy string"):
+        parse_policy(3)
+
+
+@pytest.mark.parametrize("device, text, ok", [
+    ("cpu", "graph", False), ("cpu", "compile(mode=reduce-overhead)", False), ("cpu", "auto", True),
+    ("cpu", "compile(mode=max-autotune)", True), ("cuda", "graph", True),
+    ("cuda", "compile(mode=reduce-overhead)", True),
+    ("npu", "graph", True), ("npu", "compile(backend=inductor)", False), ("npu", "compile(mode=max-autotune)", True),
+])
+def test_device_support_table(device, text, ok):
+    assert (device_problem(parse_policy(text), device) is None) == ok
+    assert set(DEVICE_SUPPORT) == {"cpu", "cuda", "npu"}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("device", ["cpu", "cuda", "npu"])
+def test_presets_validate_everywhere_but_graph_on_cpu(preset, device):
+    cfg = compose(f"compile={preset}", f"device={device}")  # composing imports no backend
+    if preset == "graph" and device == "cpu":
+        with pytest.raises(ConfigError) as e:
+            validate(cfg)
+        msg = str(e.value)
+        assert "device cpu cannot run 'graph'" in msg and "no graph capture" in msg and "device=cuda" in msg
+        assert msg.count("cannot run") == 1 and "compile.draft_topk.later" in msg  # one error naming every branch
+    else:
+        validate(cfg)
+
+
+def test_presets_exist():
+    assert {"eager", "split", "whole", "auto", "graph"} <= set(PRESETS)
+
+
+def test_bad_policy_fails_validation_with_the_key_and_caret():
+    with pytest.raises(ConfigError) as e:
+        validate(compose("compile.build_tree.build=compil"))
+    assert "compile.build_tree.build='compil': unknown mode 'compil'" in str(e.value)
+    assert str(e.value).rstrip().endswith("^^^^^^")
+
+
+def test_unknown_branch_key_is_an_exit_2_error():
+    msg = precheck(["compile.draft_topk.latr=eager"])
+    assert msg.startswith("specpipe: invalid override") and "compile.draft_topk.latr" in msg
+    assert "later" in msg and "first" in msg  # the valid keys there
+
+
+def test_cli_policy_errors_and_graph_on_cpu_come_from_precheck():
+    assert "unknown option 'dynamc'" in precheck(["compile.draft_topk.later='compile(dynamc=true)'"])
+    assert "device cpu cannot run 'graph'" in precheck(["compile=graph"])
+    assert precheck(["compile=graph", "device=cuda"]) is None

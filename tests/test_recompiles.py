@@ -1,0 +1,39 @@
+"""After warm-up, a compiled pipeline compiles nothing new while requests finish and join.
+
+The causes this guards against (measurements.md): batch 1 getting its own graph (0/1
+specialization), B == topk at the first call tying the two sizes (duck sizing), and the eager
+draft forward's reshaped outputs being views whose base sizes Dynamo guards as well (the fixes:
+devices/base.py BatchGeneric).
+"""
+import random
+
+import pytest
+
+from helpers import compose
+from pipeline_spy import run_watched
+
+LENGTHS = [3, 17, 5, 40, 9, 26, 2, 33, 12, 7]  # prompt lengths: prefill shapes differ per join
+BUDGETS = [30, 75, 42, 90, 24, 60, 36, 84, 48, 27]  # max_new_tokens: requests finish at different steps
+WARMUP_STEPS = 3
+AOT = "'compile(dynamic=true, backend=aot_eager)'"  # same Dynamo guards as inductor, ~10x cheaper to compile
+
+
+@pytest.mark.parametrize("overrides", [
+    ["compile=split"],  # the preset itself, inductor
+    ["compile=whole", f"compile.draft_topk.later={AOT}"],  # fused: one graph per step kind (0, 1, >= 2)
+    ["compile=split", f"compile.draft_topk.later={AOT}", "draft.topk=1", "draft.num_draft_tokens=4"],  # K == 1
+], ids=["split", "whole-aot_eager", "split-topk1-aot_eager"])
+def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):
+    rng = random.Random(0)
+    path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])
+    cfg = compose("model=random_tiny", f"workload.prompts_file={path}", "workload.batch_size=4",
+                  f"workload.max_new_tokens={max(BUDGETS)}", *overrides)
+    seen = run_watched(monkeypatch, cfg, BUDGETS)
+    sizes, graphs = seen["sizes"], seen["graphs"]
+    assert all(r.finish_reason == "length" for r in seen["requests"])
+    assert graphs[WARMUP_STEPS - 1] > seen["graphs_before"], "the draft top-k branch is compiled during warm-up"
+    after = sizes[WARMUP_STEPS:]
+    assert len(after) >= 50
+    assert {1, 2, 3, 4} <= set(after), f"batch composition did not vary enough: {sorted(set(after))}"
+    new = graphs[-1] - graphs[WARMUP_STEPS - 1]
+    assert new == 0, f"{new} graph(s) compiled after warm-up; batch sizes per step: {sizes}"
