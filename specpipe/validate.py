@@ -6,15 +6,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from specpipe.build import check_target
-from specpipe.compile_policy import PolicyError, parse_policy
+from specpipe.compile_policy import PolicyError, device_problem, parse_policy
 from specpipe.errors import ConfigError
 from specpipe.workload import PROMPT_SETS
 
 DRAFT_METHODS = ("eagle", "none")
-DEVICE_MODES = {  # policy modes each device can run (or translate); kept here so validation imports no backend
-    "specpipe.devices.cpu.CpuDevice": {"eager", "compile"},
-    "specpipe.devices.cuda.CudaDevice": {"eager", "compile", "graph"},
-    "specpipe.devices.npu.NpuDevice": {"eager", "compile", "graph"},
+DEVICE_MODES = {  # device target -> its entry in compile_policy.DEVICE_SUPPORT (what it can run); imports no backend
+    "specpipe.devices.cpu.CpuDevice": "cpu",
+    "specpipe.devices.cuda.CudaDevice": "cuda",
+    "specpipe.devices.npu.NpuDevice": "npu",
 }
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
@@ -51,20 +51,24 @@ def _draft(d, errors: list) -> None:
 
 
 def _compile(cfg, errors: list) -> None:
-    modes = DEVICE_MODES.get(cfg.device.get("_target_"), {"eager", "compile"})
+    """Parse every branch policy and check it against the device; one error per distinct problem."""
+    target = cfg.device.get("_target_", "")
+    device = DEVICE_MODES.get(target, target.rsplit(".", 1)[-1])
+    problems: dict[str, list[str]] = {}  # problem -> the branch keys that have it
     for stage, branches in cfg.compile.items():
         for br, text in branches.items():
-            if isinstance(text, bool):
+            if isinstance(text, bool):  # switches such as draft_topk.fused
                 continue
             try:
                 pol = parse_policy(text)
             except PolicyError as e:
-                errors.append(f"compile.{stage}.{br}: {e}")
+                errors.append(f"compile.{stage}.{br}={text!r}: {e}")
                 continue
-            if pol.mode not in modes and pol.mode != "auto":
-                dev = cfg.device.get("_target_", "").rsplit(".", 1)[-1]
-                errors.append(f"compile.{stage}.{br}={text!r}: device {dev} cannot run mode {pol.mode!r} "
-                              f"(valid on this device: {', '.join(sorted(modes | {'auto'}))})")
+            problem = device_problem(pol, device)
+            if problem:
+                problems.setdefault(problem, []).append(f"compile.{stage}.{br}")
+    for problem, keys in problems.items():
+        errors.append(f"{problem}; set by {', '.join(keys)}")
 
 
 def validate(cfg: DictConfig) -> None:
