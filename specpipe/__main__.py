@@ -13,19 +13,36 @@ from specpipe.schema import register_schemas
 def hydra_main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    from specpipe.app import run
+    try:
+        from specpipe.app import run  # imports torch: a broken device backend fails here
+    except RuntimeError as e:
+        from specpipe.devices import explain_backend_load_error
+
+        msg = explain_backend_load_error(e)
+        if msg is None:
+            raise
+        print("specpipe: " + msg, file=sys.stderr)
+        sys.exit(2)
     from specpipe.errors import SpecpipeError
+    from specpipe.sweep import clear_error, finished_metrics, objective, write_error
 
     hc = HydraConfig.get()
     multirun = hc.mode.name == "MULTIRUN"
+    out_dir = hc.runtime.output_dir
+    done = finished_metrics(cfg, out_dir) if cfg.resume else None
+    if done is not None:  # resume=true: this job finished in an earlier run of the same sweep dir
+        print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)
+        return objective(done, cfg.latency_limit_ms)
     try:
-        result = run(cfg, out_dir=hc.runtime.output_dir)
+        result = run(cfg, out_dir=out_dir)
     except SpecpipeError as e:
         print(str(e), file=sys.stderr)
         if multirun:  # one bad point must not end an overnight sweep
+            write_error(out_dir, str(e))
             return float("nan")
         sys.exit(e.exit_code)
-    return float(result["metrics"]["tokens_per_s"])
+    clear_error(out_dir)
+    return objective(result["metrics"], cfg.latency_limit_ms)
 
 
 def main() -> None:

@@ -13,12 +13,33 @@ from omegaconf import DictConfig
 from specpipe.build import build
 from specpipe.compile_policy import parse_policy
 from specpipe.metrics import Metrics, recompile_count
+from specpipe.errors import ConfigError
 from specpipe.pipeline import PlainPipeline, Request
+from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
+from specpipe.sampling import SamplingState, request_seed
 from specpipe.stages.prepare_decode import target_kv_layout
-from specpipe.spec_pipeline import EaglePipeline
+from specpipe.spec_pipeline import SpecPipeline
 from specpipe.validate import to_container, validate
 from specpipe.workload import load_prompts
+
+
+_PAIR_CACHE: dict = {}  # weights kept across the jobs of an in-process sweep
+MODEL_LOADS = [0]  # how many times weights were loaded in this process (tests check sweeps reuse them)
+
+
+def load_pair(cfg: DictConfig, dtype: str, device):
+    """Build the model pair, or reuse it when an earlier job of this process loaded the same one."""
+    from omegaconf import OmegaConf
+
+    draft_path = cfg.draft.path if cfg.draft.method == "eagle" else None
+    key = (OmegaConf.to_yaml(cfg.model), dtype, str(device.torch_device), draft_path)
+    if key not in _PAIR_CACHE:
+        _PAIR_CACHE.clear()  # keep one pair: sweeps over models should not pile up weights
+        MODEL_LOADS[0] += 1
+        _PAIR_CACHE[key] = build(cfg.model, "model", dtype=dtype, device=str(device.torch_device),
+                                 draft_path=draft_path)
+    return _PAIR_CACHE[key]
 
 
 def make_wrap(cfg: DictConfig, device):
@@ -39,22 +60,56 @@ def build_allocator(cfg: DictConfig, device):
     return build(cfg.allocator, "allocator", **kwargs)
 
 
-def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int) -> list[Request]:
+def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int
+                  ) -> list[Request]:
+    """One Request per prompt; a bad prompt becomes that request's error, never the run's."""
     reqs = []
     for i, it in enumerate(items):
         r = Request(i, it.get("prompt", ""), [], max_new_tokens)
+        reqs.append(r)
         if "error" in it:
             r.finish_reason, r.error = "error", it["error"]
-        elif not r.prompt:
-            r.finish_reason, r.error = "error", "empty prompt: nothing to continue from"
-        else:
-            r.prompt_ids = tokenizer.encode(r.prompt)
-            if len(r.prompt_ids) + max_new_tokens > max_position:
+            continue
+        if "prompt_ids" in it:
+            r.prompt_ids = list(it["prompt_ids"])
+            bad = [t for t in r.prompt_ids if not 0 <= t < vocab_size]
+            if bad:
                 r.finish_reason = "error"
-                r.error = (f"prompt of {len(r.prompt_ids)} tokens plus max_new_tokens={max_new_tokens} exceeds the "
-                           f"model's context of {max_position} tokens")
-        reqs.append(r)
+                r.error = f"prompt_ids {bad[:5]} are outside the vocabulary (valid: 0..{vocab_size - 1})"
+                continue
+        else:
+            try:
+                r.prompt_ids = tokenizer.encode(r.prompt)
+            except ValueError as e:
+                r.finish_reason, r.error = "error", f"the prompt cannot be tokenized: {e}"
+                continue
+        if not r.prompt_ids:
+            r.finish_reason, r.error = "error", "empty prompt: nothing to continue from"
+        elif len(r.prompt_ids) + max_new_tokens > max_position:
+            r.finish_reason = "error"
+            r.error = (f"prompt of {len(r.prompt_ids)} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                       f"model's context of {max_position} tokens")
     return reqs
+
+
+def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, device):
+    d = cfg.draft
+    if d.method == "eagle":
+        if pair.draft is None:
+            raise ConfigError(f"draft=eagle needs an EAGLE head, but model {pair.name!r} has none; give "
+                              "draft.path=DIR or use draft=ngram, draft=standalone or draft=none")
+        return EagleProposer(pair.draft, d.topk, d.num_steps, d.num_draft_tokens,
+                             fused_topk=bool(cfg.compile.draft_topk.fused))
+    if d.method == "ngram":
+        return NgramProposer(d.topk, d.num_steps, d.num_draft_tokens, d.min_n, d.max_n, max_requests, max_context,
+                             device.torch_device)
+    if d.method == "standalone":
+        from specpipe.drafters.standalone import StandaloneDrafter
+
+        sampled = cfg.sampling.temperature > 0 and d.topk == 1
+        return StandaloneProposer(StandaloneDrafter(pair.standalone, d.topk, d.num_steps, d.num_draft_tokens),
+                                  sampled_chain=sampled)
+    raise ConfigError(f"draft.method={d.method!r} is unknown")
 
 
 def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request], metrics: Metrics):
@@ -64,41 +119,91 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     max_context = longest + cfg.workload.max_new_tokens + d.num_draft_tokens + d.topk * d.num_steps + 2 * ps + 1
     max_requests = cfg.workload.batch_size
     eos = pair.tokenizer.eos_token_id
+    sp = cfg.sampling
+    sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device)
     if d.method == "none":
-        return PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics)
-    if pair.draft is None:
-        from specpipe.errors import ConfigError
-        raise ConfigError(f"draft=eagle needs an EAGLE head, but model {pair.name!r} has none; give draft.path=DIR "
-                          "or use draft=none")
-    return EaglePipeline(pair.target, pair.draft, allocator, device, max_requests, max_context, eos, metrics,
-                         d.topk, d.num_steps, d.num_draft_tokens, make_wrap(cfg, device),
-                         fused_topk=bool(cfg.compile.draft_topk.fused))
+        return PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
+    proposer = build_proposer(cfg, pair, max_requests, max_context, device)
+    return SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
+                        d.num_steps, d.num_draft_tokens, make_wrap(cfg, device), sampling)
+
+
+def first_layer_copy(target):
+    """A self-speculative draft for test models: the target truncated to its first layer (weights shared)."""
+    import copy
+
+    small = copy.copy(target)
+    small.config = copy.copy(target.config)
+    small.config.num_hidden_layers = 1
+    small._modules = dict(target._modules)
+    small.layers = torch.nn.ModuleList(list(target.layers)[:1])
+    small.kv = None
+    return small
+
+
+def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
+    """The standalone drafter's model: draft.path, or for random_tiny the target's first layer."""
+    if cfg.draft.path is not None:
+        from specpipe.models.hf import load_target
+
+        pair.standalone = load_target(cfg.draft.path, dtype=dtype, device=str(device.torch_device))
+    elif cfg.model._target_.endswith("build_random_tiny"):
+        pair.standalone = first_layer_copy(pair.target)
+    else:
+        raise ConfigError("draft=standalone needs draft.path=DIR: a small causal LM folder (config.json + "
+                          "safetensors) with the same tokenizer as the target (see `make train-tiny` in the README)")
+    if pair.standalone.config.vocab_size != pair.target.config.vocab_size:
+        raise ConfigError(f"draft.path={cfg.draft.path!r}: the standalone draft's vocab_size "
+                          f"{pair.standalone.config.vocab_size} differs from the target's "
+                          f"{pair.target.config.vocab_size}; it must share the target's tokenizer")
 
 
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None) -> dict:
+    from specpipe.devices.base import use_build_inductor_cache
+
+    use_build_inductor_cache()  # before anything asks inductor for its cache folder
     validate(cfg)
     items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
     torch.manual_seed(cfg.seed)
     device = build(cfg.device, "device")
     dtype = cfg.model.get("dtype") or cfg.device.dtype
     if pair is None:
-        pair = build(cfg.model, "model", dtype=dtype, device=str(device.torch_device), draft_path=cfg.draft.path)
+        pair = load_pair(cfg, dtype, device)
+    if cfg.draft.method == "standalone" and (getattr(pair, "standalone", None) is None
+                                             or getattr(pair, "standalone_source", None) != cfg.draft.path):
+        load_standalone(cfg, pair, dtype, device)
+        pair.standalone_source = cfg.draft.path
     allocator = build_allocator(cfg, device)
     pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
     if pair.draft is not None:
         pair.draft.setup_kv(allocator.pool_slots)
+    if getattr(pair, "standalone", None) is not None:
+        pair.standalone.setup_kv(allocator.pool_slots)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
-                         pair.target.config.max_position_embeddings)
-    metrics = Metrics(cfg.draft.num_steps if cfg.draft.method != "none" else 1, cfg.draft.topk)
+                         pair.target.config.max_position_embeddings, pair.target.config.vocab_size)
+    base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else cfg.seed
+    for r, it in zip(reqs, items):
+        r.seed = request_seed(base_seed, r.index, it.get("seed"))
+    spec = cfg.draft.method != "none"
+    metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,
+                      cfg.draft.num_draft_tokens if spec else 2)
+    metrics.attach_model_timer([pair.target, pair.draft, getattr(pair, "standalone", None)], device.synchronize)
     pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
     compiles_before = recompile_count()
-    wall = run_requests(pipe, reqs, cfg.workload.batch_size)
+    try:
+        wall = run_requests(pipe, reqs, cfg.workload.batch_size, show_progress=None if not quiet else False)
+    finally:
+        metrics.detach()
     summary = metrics.summary(wall, recompile_count() - compiles_before)
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_leaked_slots"] = int(allocator.size - allocator.available())
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     summary["num_requests"] = len(reqs)
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
+    from specpipe.autotune import collect_decisions
+
+    summary["autotune"] = collect_decisions(getattr(pipe, "stages", []))  # compile=auto choices + timings
+    summary["model_loads_in_process"] = MODEL_LOADS[0]  # 1 in every job of an in-process sweep: weights reused
     summary["config"] = to_container(cfg)
     if out_dir is not None:
         write_outputs(Path(out_dir), summary, reqs, pair.tokenizer)

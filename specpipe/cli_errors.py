@@ -55,6 +55,11 @@ def reword(exc: Exception, overrides: list[str]) -> str:
     m = re.search(r"Could not (?:find|load) '([\w/]+)/([^']+)'", msg)
     if m:
         group, opt = m.group(1), m.group(2)
+        if group.startswith("hydra/"):
+            extra = {"launcher": "joblib, ray or slurm", "sweeper": "optuna"}.get(group.split("/")[-1], "")
+            return (f"specpipe: invalid override {group}={opt}: the plugin for '{opt}' is not installed or has no "
+                    f"such option. Install the optional extra first, e.g. pip install -e '.[{opt}]' "
+                    f"(extras: {extra or 'joblib, ray, slurm, optuna'}).")
         return (f"specpipe: invalid override {group}={opt}: config group '{group}' has no option '{opt}' "
                 f"(valid: {', '.join(group_options(group))}).")
     m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", msg) or \

@@ -1,4 +1,9 @@
-"""Run metrics: acceptance (vLLM's conventions: acceptance length counts the bonus token), throughput, stage time."""
+"""Run metrics. Conventions follow vLLM's where one exists: the acceptance length counts the bonus token.
+
+Stage times are wall time around each stage; `model` time is measured around device-synchronized
+forward calls of the models (forward hooks), so `stage_host_ms` = stage time - model time is the
+host overhead (Python, small kernels, bookkeeping) per decode step.
+"""
 from __future__ import annotations
 
 import time
@@ -18,47 +23,110 @@ def recompile_count() -> int:
 
 
 class Metrics:
-    def __init__(self, num_steps: int, topk: int = 1):
-        self.num_steps = num_steps
-        self.topk = topk
+    def __init__(self, num_steps: int, topk: int = 1, num_draft_tokens: int = 2):
+        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.num_verify_steps = 0  # decode rounds of the whole batch
-        self.accepted = []  # drafts accepted per (request, verify step)
+        self.accepted: list[int] = []  # drafts accepted per (request, round)
+        self.ranks: list[int] = []  # sibling rank (0 = the draft's top choice) of every accepted node
+        self.linked: list[int] = []  # draft nodes linked into the verified tree per (request, round)
         self.stage_s: dict[str, float] = defaultdict(float)
+        self.model_s: dict[str, float] = defaultdict(float)
+        self.current = "other"
         self.generated_tokens = 0
         self.first_token_s: list[float] = []
         self.step_s: list[float] = []
-        self.t0 = time.perf_counter()
+        self.retractions = 0
+        self._hooks: list = []
 
     @contextmanager
     def stage(self, name: str):
-        t = time.perf_counter()
+        t, prev = time.perf_counter(), self.current
+        self.current = name
         try:
             yield
         finally:
             self.stage_s[name] += time.perf_counter() - t
+            self.current = prev
 
-    def record_accepts(self, counts: list[int]) -> None:
+    def attach_model_timer(self, modules, synchronize) -> None:
+        """Time every forward of these modules, synchronizing the device around each call."""
+        seen = set()
+        for mod in modules:
+            if mod is None or id(mod._forward_hooks) in seen:  # shallow copies share hook dicts
+                continue
+            seen.add(id(mod._forward_hooks))
+            box = {}
+
+            def pre(_m, _a, box=box):
+                synchronize()
+                box["t"] = time.perf_counter()
+
+            def post(_m, _a, _o, box=box):
+                synchronize()
+                self.model_s[self.current] += time.perf_counter() - box.pop("t", time.perf_counter())
+
+            self._hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def record_round(self, counts: list[int], ranks: list[list[int]], linked: list[int]) -> None:
         self.accepted.extend(counts)
+        self.linked.extend(linked)
+        for c, r in zip(counts, ranks):
+            self.ranks.extend(r[:c])
+
+    def _acceptance(self) -> dict:
+        acc = np.asarray(self.accepted, dtype=np.int64)
+        S = self.num_steps
+        if not len(acc):
+            return {"accept_length_mean": None, "mean_acceptance_length": None, "accept_length_histogram": [],
+                    "acceptance_rate_per_position": [0.0] * S, "acceptance_rate_by_depth": [0.0] * S,
+                    "acceptance_by_rank": [], "draft_acceptance_rate": None, "tree_budget_use": None,
+                    "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                    "num_accepted_tokens_per_pos": [0] * S}
+        n = len(acc)
+        reached = [int((acc >= d).sum()) for d in range(0, S + 1)]
+        ranks = np.bincount(np.asarray(self.ranks, dtype=np.int64), minlength=self.topk) if self.ranks else \
+            np.zeros(self.topk, dtype=np.int64)
+        return {
+            "accept_length_mean": float(acc.mean() + 1),
+            "mean_acceptance_length": float(acc.mean() + 1),  # vLLM's name
+            "accept_length_histogram": np.bincount(acc + 1, minlength=S + 2)[1:].tolist(),  # i: rounds committing i+1
+            "acceptance_rate_per_position": [reached[d] / n for d in range(1, S + 1)],
+            "acceptance_rate_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0
+                                         for d in range(1, S + 1)],
+            "acceptance_by_rank": (ranks / max(1, ranks.sum())).tolist(),
+            "draft_acceptance_rate": float(acc.sum() / max(1, sum(self.linked))),
+            "tree_budget_use": float(np.mean(self.linked) / max(1, self.num_draft_tokens - 1)),
+            "num_drafts": n,
+            "num_draft_tokens": int(sum(self.linked)),
+            "num_accepted_tokens": int(acc.sum()),
+            "num_accepted_tokens_per_pos": reached[1:],
+        }
 
     def summary(self, wall_s: float, recompiles: int) -> dict:
-        acc = np.asarray(self.accepted, dtype=np.int64)
-        n = max(1, len(acc))
-        per_pos = [float((acc >= d).sum() / n) for d in range(1, self.num_steps + 1)] if len(acc) else \
-            [0.0] * self.num_steps
         steps = max(1, self.num_verify_steps)
-        hist = np.bincount(acc + 1, minlength=self.num_steps + 2)[1:].tolist() if len(acc) else []
+        stage_ms = {k: 1000 * v / steps for k, v in sorted(self.stage_s.items())}
+        model_ms = {k: 1000 * self.model_s.get(k, 0.0) / steps for k in stage_ms}
+        total, model = sum(self.stage_s.values()), sum(self.model_s.values())
+        pct = (lambda q: float(np.percentile(self.step_s, q) * 1000) if self.step_s else None)
         return {
             "generated_tokens": self.generated_tokens,
             "wall_s": wall_s,
             "tokens_per_s": self.generated_tokens / wall_s if wall_s > 0 else 0.0,
-            "accept_length_mean": float(acc.mean() + 1) if len(acc) else None,
-            "accept_length_histogram": hist,  # index i: rounds that committed i+1 tokens
-            "acceptance_rate_per_position": per_pos,
-            "draft_acceptance_rate": float(acc.sum() / (n * self.num_steps)) if len(acc) else None,
+            **self._acceptance(),
             "num_verify_steps": self.num_verify_steps,
-            "stage_host_ms": {k: 1000 * v / steps for k, v in sorted(self.stage_s.items())},
+            "stage_ms": stage_ms,
+            "stage_model_ms": model_ms,
+            "stage_host_ms": {k: max(0.0, stage_ms[k] - model_ms[k]) for k in stage_ms},
+            "model_share": model / total if total > 0 else None,
             "time_to_first_token_s_mean": float(np.mean(self.first_token_s)) if self.first_token_s else None,
-            "step_latency_ms_p50": float(np.percentile(self.step_s, 50) * 1000) if self.step_s else None,
-            "step_latency_ms_p90": float(np.percentile(self.step_s, 90) * 1000) if self.step_s else None,
+            "step_latency_ms_p50": pct(50),
+            "step_latency_ms_p90": pct(90),
+            "step_latency_ms_p99": pct(99),
+            "retractions": self.retractions,
             "recompiles": recompiles,
         }

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from specpipe.metrics import Metrics
+from specpipe.sampling import SamplingState
 from specpipe.models.attention_batch import extend_batch
 from specpipe.stages.prepare_decode import PrepareDecode
 
@@ -37,6 +38,13 @@ class Request:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     t_submit: float = 0.0
+    seed: int = 0  # the request's own sampling seed
+    retractions: int = 0  # times it was evicted under KV pressure and re-queued
+
+    @property
+    def context_ids(self) -> list:
+        """What a (re-)prefill runs over: the prompt and everything generated so far."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def finished(self) -> bool:
@@ -47,7 +55,7 @@ class Pipeline:
     """Holds the running batch: requests, their table rows and (subclasses) their device state."""
 
     def __init__(self, target, allocator, device, max_requests: int, max_context: int, eos_token_id,
-                 metrics: Metrics):
+                 metrics: Metrics, sampling: Optional[SamplingState] = None):
         self.target = target
         self.device = device
         self.dev = device.torch_device
@@ -57,6 +65,57 @@ class Pipeline:
         self.reqs: list[Request] = []
         self.rows = np.zeros(0, dtype=np.int64)
         self.last_token = torch.zeros(0, dtype=torch.int64, device=self.dev)  # [B]
+        self.sampling = sampling or SamplingState(0.0, 1.0, 0, self.dev)
+
+    # ---- KV capacity --------------------------------------------------------------------
+    growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
+
+    def scratch_tokens(self, batch_size: int) -> int:
+        """Throw-away KV slots one step borrows (draft KV); handed back before verify."""
+        return 0
+
+    def pages(self, tokens) -> np.ndarray:
+        ps = self.prep.ps
+        return -(-np.asarray(tokens, dtype=np.int64) // ps)
+
+    def step_fits(self, rows: np.ndarray) -> bool:
+        """Whether one more step of these rows fits in the free KV (host ints only, no sync)."""
+        seq, owned = self.prep.seq_len[rows], self.prep.alloc_len[rows]
+        grow = int((self.pages(np.maximum(owned, seq + self.growth)) - self.pages(owned)).sum())
+        scratch = int(self.pages(self.scratch_tokens(len(rows))))
+        return max(grow, scratch) * self.prep.ps <= self.prep.alloc.available()
+
+    def make_room(self) -> list[Request]:
+        """Retract the most recently admitted requests until one step of the rest fits."""
+        out = []
+        while self.reqs and not self.step_fits(self.rows):
+            r = self.reqs[-1]
+            if len(self.reqs) == 1:
+                r.finish_reason = "error"
+                r.error = (f"the KV pool ({self.prep.alloc.size} slots) cannot hold this request's "
+                           f"{len(r.context_ids) + self.growth} tokens; raise allocator.num_slots")
+                self.drop_finished()
+                break
+            r.retractions += 1
+            self.metrics.retractions += 1
+            out.append(r)
+            keep = np.ones(len(self.reqs), dtype=bool)
+            keep[-1] = False
+            self.prep.release_rows([int(self.rows[-1])])
+            self.reqs = self.reqs[:-1]
+            self.rows = self.rows[:-1]
+            self.keep(torch.from_numpy(np.flatnonzero(keep)).to(self.dev))
+        return out
+
+    def admit_fits(self, reqs: list[Request]) -> bool:
+        lens = np.asarray([len(r.context_ids) + self.growth for r in reqs])
+        running = self.prep.seq_len[self.rows] + self.growth - self.prep.alloc_len[self.rows]
+        need = int(self.pages(lens).sum() + self.pages(np.maximum(running, 0)).sum())
+        need = max(need, int(self.pages(self.scratch_tokens(len(self.reqs) + len(reqs)))))
+        return need * self.prep.ps <= self.prep.alloc.available()
+
+    def fail(self, req: Request, message: str) -> None:
+        req.finish_reason, req.error = "error", message
 
     # ---- host-side token bookkeeping ---------------------------------------------------
     def append_tokens(self, req: Request, tokens: list) -> int:
@@ -76,20 +135,20 @@ class Pipeline:
 
     # ---- admission ---------------------------------------------------------------------
     def prefill_target(self, reqs: list[Request]):
-        """Target prefill of new requests. Returns (rows, ids, hidden, batch, last, first) or None on OOM."""
+        """Target prefill of new requests. Returns (rows, ids, hidden, batch, last, logits) or None on OOM."""
         rows = [self.prep.acquire_row() for _ in reqs]
         if any(r is None for r in rows):
             self.prep.release_rows([r for r in rows if r is not None])
             return None
         rows_np = np.asarray(rows, dtype=np.int64)
-        lens = np.asarray([len(r.prompt_ids) for r in reqs], dtype=np.int64)
+        lens = np.asarray([len(r.context_ids) for r in reqs], dtype=np.int64)
         if not self.prep.reserve(rows_np, lens):
             self.prep.release_rows(rows)
             return None
         T = int(lens.max())
         ids = torch.zeros((len(reqs), T), dtype=torch.int64)
         for b, r in enumerate(reqs):
-            ids[b, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, dtype=torch.int64)
+            ids[b, : lens[b]] = torch.tensor(r.context_ids, dtype=torch.int64)
         ids = ids.to(self.dev)
         rows_t = torch.from_numpy(rows_np).to(self.dev)
         lens_t = torch.from_numpy(lens).to(self.dev)
@@ -97,23 +156,34 @@ class Pipeline:
         hidden = self.target(ids, batch)  # [B, T, H]
         last = lens_t - 1
         h_last = hidden[torch.arange(len(reqs), device=self.dev), last]
-        first = self.target.logits(h_last).argmax(-1)  # [B]
+        logits = self.target.logits(h_last)  # [B, V]
         self.prep.commit(rows_np, lens)
         self.prep.after_commit(rows_np)
-        return rows_np, ids, hidden, batch, last, first
+        return rows_np, ids, hidden, batch, last, logits
 
     def admit(self, reqs: list[Request]) -> bool:
-        """Prefill and join the running batch; False (nothing changed) when the KV pool is full."""
+        """Prefill and join the running batch; False (nothing changed) when the KV pool is too full."""
+        if not self.admit_fits(reqs):
+            return False
         with self.metrics.stage("prefill"):
             out = self.prefill_target(reqs)
             if out is None:
                 return False
-            rows_np, ids, hidden, batch, last, first = out
-            firsts = first.tolist()
+            rows_np, ids, hidden, batch, last, logits = out
+            old = len(self.reqs)
+            self.sampling.join([r.seed for r in reqs])
+            new_rows = torch.arange(old, old + len(reqs), device=self.dev)
+            first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(context)
+            finite = torch.isfinite(logits).all(-1)
+            host = torch.stack([first, finite.to(first.dtype)], 1).tolist()
             now = time.perf_counter()
-            for r, t in zip(reqs, firsts):
+            for r, (t, ok) in zip(reqs, host):
+                if not ok:
+                    self.fail(r, "the target's logits contained NaN or inf at prefill")
+                    continue
                 self.append_tokens(r, [t])
-                self.metrics.first_token_s.append(now - r.t_submit)
+                if r.retractions == 0:
+                    self.metrics.first_token_s.append(now - r.t_submit)
             self.join(reqs, rows_np, ids, hidden, batch, last, first)
         self.drop_finished()
         return True
@@ -125,6 +195,7 @@ class Pipeline:
 
     def keep(self, keep_t: Tensor) -> None:
         self.last_token = self.last_token[keep_t]
+        self.sampling.keep(keep_t)
 
     def drop_finished(self) -> list[Request]:
         done = [r for r in self.reqs if r.finished]
@@ -139,9 +210,13 @@ class Pipeline:
 
 
 class PlainPipeline(Pipeline):
-    """Greedy decoding, one token per request per step (draft=none)."""
+    """Target-only decoding, one token per request per step (draft=none): the baseline."""
 
-    def step(self) -> None:
+    def step(self) -> list[Request]:
+        """One token per request; returns requests retracted for lack of KV (to re-queue)."""
+        retracted = self.make_room()
+        if not self.reqs:
+            return retracted
         B = len(self.reqs)
         with self.metrics.stage("prepare_decode"):
             if not self.prep.reserve(self.rows, np.ones(B, dtype=np.int64)):
@@ -153,13 +228,19 @@ class PlainPipeline(Pipeline):
                 extend_batch(self.prep.table, rows_t, L_t, torch.ones_like(L_t), 1, bucket(L.max() + 1)))
         with self.metrics.stage("verify"):
             hidden = self.target(self.last_token[:, None], batch)
-            nxt = self.target.logits(hidden[:, 0]).argmax(-1)  # [B]
+            logits = self.target.logits(hidden[:, 0])
+            nxt = self.sampling.sample_next(logits, L_t + 1)  # [B]
         with self.metrics.stage("commit"):
-            toks = nxt.tolist()  # the one host sync of the step
-            for r, t in zip(self.reqs, toks):
-                self.append_tokens(r, [t])
+            finite = torch.isfinite(logits).all(-1)
+            host = torch.stack([nxt, finite.to(nxt.dtype)], 1).tolist()  # the one host sync of the step
+            for r, (t, ok) in zip(self.reqs, host):
+                if ok:
+                    self.append_tokens(r, [t])
+                else:
+                    self.fail(r, "the target's logits contained NaN or inf")
             self.prep.commit(self.rows, L + 1)
             self.prep.after_commit(self.rows)
             self.last_token = nxt
             self.drop_finished()
         self.metrics.num_verify_steps += 1
+        return retracted

@@ -124,6 +124,24 @@ class EagleDraftConf(DraftConf):
 
 
 @dataclass
+class NgramDraftConf(DraftConf):
+    method: str = "ngram"
+    topk: int = 1  # >1: a tree of the continuations of up to topk distinct matches
+    num_steps: int = 4  # draft length
+    num_draft_tokens: int = 5
+    min_n: int = 1  # shortest n-gram to match
+    max_n: int = 3  # longest n-gram to match (tried first)
+
+
+@dataclass
+class StandaloneDraftConf(DraftConf):
+    method: str = "standalone"
+    topk: int = 1
+    num_steps: int = 4
+    num_draft_tokens: int = 5
+
+
+@dataclass
 class NoDraftConf(DraftConf):
     method: str = "none"
     topk: int = 1
@@ -174,6 +192,15 @@ class WorkloadConf:
     batch_size: int = 4  # requests decoded together
 
 
+# ---- sampling ---------------------------------------------------------------------------
+@dataclass
+class SamplingConf:
+    temperature: float = 0.0  # 0: greedy (exactly the target's argmax decode)
+    top_p: float = 1.0  # nucleus mass kept (1: off)
+    top_k: int = 0  # most likely tokens kept (0: off)
+    seed: Optional[int] = None  # run-level sampling seed (None: the top-level seed); a prompt's "seed" wins
+
+
 # ---- root -------------------------------------------------------------------------------
 @dataclass
 class Config:
@@ -183,7 +210,10 @@ class Config:
     draft: Any = MISSING
     compile: Any = MISSING
     workload: Any = MISSING
+    sampling: SamplingConf = field(default_factory=SamplingConf)
     seed: int = 0
+    resume: bool = False  # skip a job whose output dir already holds metrics.json from the same config
+    latency_limit_ms: Optional[float] = None  # sweep objective: runs whose p90 step latency exceeds it score < 0
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -191,7 +221,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "allocator": {"token": TokenAllocatorConf, "paged": PagedAllocatorConf, "swa": SWAAllocatorConf,
                   "hisparse": HiSparseAllocatorConf},
     "model": {"random_tiny": RandomTinyModelConf, "hf": HFModelConf, "tiny": TinyModelConf},
-    "draft": {"eagle": EagleDraftConf, "none": NoDraftConf},
+    "draft": {"eagle": EagleDraftConf, "none": NoDraftConf, "ngram": NgramDraftConf,
+              "standalone": StandaloneDraftConf},
     "compile": {"policy": CompileConf},
     "workload": {"workload": WorkloadConf},
 }

@@ -1,9 +1,7 @@
-"""One EAGLE round per step: draft the tree, build it, verify it with one target forward, commit.
+"""One speculative round per step: propose a tree, verify it with one target forward, commit.
 
-Carried per running request (device tensors, request-major):
-  last_token [B]  the last committed token (its KV is not in the target cache yet; position L_b)
-  topk_p, topk_index [B, K]  the draft's distribution for the token after it
-  draft_hidden [B, H]  the draft's hidden state at position L_b - 1
+Carried per running request (device tensors, request-major): last_token [B], the last committed
+token (its KV is not in the target cache yet; position L_b), plus whatever the proposer keeps.
 The step has one host sync: reading the committed tokens to check stop conditions.
 """
 from __future__ import annotations
@@ -11,74 +9,35 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specpipe.models.attention_batch import AttentionBatch, extend_batch
+from specpipe.models.attention_batch import AttentionBatch
 from specpipe.pipeline import OutOfKVMemory, Pipeline, bucket
-from specpipe.stages.build_tree import BuildTree
-from specpipe.stages.draft_forward import DraftForward, draft_decode_batch
-from specpipe.stages.draft_topk import DraftTopK
 from specpipe.stages.verify import Verify
+from specpipe.stages.verify_sampling import VerifySampling
 
 
-class EaglePipeline(Pipeline):
-    def __init__(self, target, head, allocator, device, max_requests, max_context, eos_token_id, metrics,
-                 topk: int, num_steps: int, num_draft_tokens: int, wrap, fused_topk: bool = False):
-        super().__init__(target, allocator, device, max_requests, max_context, eos_token_id, metrics)
-        self.K, self.S, self.N = topk, num_steps, num_draft_tokens
-        self.head = head
-        self.topk_stage = DraftTopK(topk, fused_topk)
-        self.tree_stage = BuildTree(topk, num_steps, num_draft_tokens)
+class SpecPipeline(Pipeline):
+    def __init__(self, target, proposer, allocator, device, max_requests, max_context, eos_token_id, metrics,
+                 num_steps: int, num_draft_tokens: int, wrap, sampling=None):
+        super().__init__(target, allocator, device, max_requests, max_context, eos_token_id, metrics, sampling)
+        self.S, self.N = num_steps, num_draft_tokens
+        self.growth = num_draft_tokens
+        self.proposer = proposer
         self.verify = Verify(target, num_steps)
-        self.draft_fwd = DraftForward(head, topk)
-        self.stages = [self.topk_stage, self.tree_stage, self.verify, self.draft_fwd, self.prep]
+        self.verify_sampling = VerifySampling(num_steps)
+        self.stages = [*proposer.stages, self.verify, self.verify_sampling, self.prep]
         for st in self.stages:
             st.bind(wrap)
 
-    # ---- admission ---------------------------------------------------------------------
     def join(self, reqs, rows_np, ids, hidden, batch, last, first) -> None:
-        """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p)."""
-        ids_d = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1).scatter(1, last[:, None], first[:, None])
-        with torch.no_grad():
-            p, idx, h = self.draft_fwd.extend(ids_d, hidden, batch, last)
-        had = len(self.reqs)
+        self.proposer.join(self, reqs, rows_np, ids, hidden, batch, last, first)
         super().join(reqs, rows_np, ids, hidden, batch, last, first)
-        if had:
-            self.topk_p = torch.cat([self.topk_p, p])
-            self.topk_index = torch.cat([self.topk_index, idx])
-            self.draft_hidden = torch.cat([self.draft_hidden, h])
-        else:
-            self.topk_p, self.topk_index, self.draft_hidden = p, idx, h
 
     def keep(self, keep_t) -> None:
         super().keep(keep_t)
-        self.topk_p, self.topk_index = self.topk_p[keep_t], self.topk_index[keep_t]
-        self.draft_hidden = self.draft_hidden[keep_t]
+        self.proposer.keep(keep_t)
 
-    # ---- one round ---------------------------------------------------------------------
-    def draft(self, rows_t, L, L_t):
-        """S-1 draft forwards; returns the per-step score/token/parent blocks for tree building."""
-        B, K, S = len(self.reqs), self.K, self.S
-        sc = self.prep.scratch(B * K * (S - 1))
-        if sc is None:
-            raise OutOfKVMemory("KV pool exhausted while drafting")
-        scratch_slots, state = sc
-        scratch = scratch_slots.view(B, S - 1, K)
-        Lp = bucket(L.max())
-        prefix_slots = self.prep.slots(rows_t, torch.zeros_like(L_t), Lp)
-        prefix_valid = torch.arange(Lp, device=self.dev)[None, :] < L_t[:, None]
-        anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=self.dev)
-        kk = torch.arange(K, device=self.dev)
-        ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
-        blocks = [blk]
-        for i in range(S - 1):
-            if i > 0:  # each new branch inherits its parent branch's visible draft tokens
-                anc = anc.gather(1, pb[:, :, None].expand(-1, -1, anc.shape[2]))
-            anc[:, kk, i * K + kk] = True
-            batch = self.prep.decorate(draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t))
-            tp, ti, hout = self.draft_fwd.decode(ids.view(B, K), hid.view(B, K, -1), batch)
-            ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
-            blocks.append(blk)
-        self.prep.end_scratch(state)
-        return blocks
+    def scratch_tokens(self, batch_size: int) -> int:
+        return self.proposer.scratch_tokens(batch_size)
 
     def verify_batch(self, tree, rows_t, L, L_t) -> AttentionBatch:
         """Prefix fully visible plus the tree mask; tree node j sits at table position L_b + j."""
@@ -95,29 +54,55 @@ class EaglePipeline(Pipeline):
         kv_pos = torch.where(in_tree, L_t[:, None] + tree.depth.gather(1, jc), c[None, :].expand(B, Lv))
         return self.prep.decorate(AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos))
 
+    def accept(self, logits, tree, draft_probs, L_t):
+        """Greedy walk, or lossless sampling (rejection sampling for sampled chains, else target-only)."""
+        if self.sampling.greedy:
+            return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent)
+        s = self.sampling
+        probs = self.verify_sampling.probs(logits, s.temperature, s.top_p, s.top_k)
+        if draft_probs is not None:
+            return self.verify_sampling.sample_rejection(probs, draft_probs, tree.tokens, tree.parent, s.seed, L_t)
+        return self.verify_sampling.sample(probs, tree.tokens, tree.parent, s.seed, L_t)
+
+    def round_stats(self, tree, accept_index, logits):
+        """[B, S+2] per request: sibling rank of each accepted node, linked draft nodes, logits finite."""
+        par = tree.parent
+        N = par.shape[1]
+        ar = torch.arange(N, device=par.device)
+        earlier = (par[:, :, None] == par[:, None, :]) & (ar[None, None, :] < ar[None, :, None])
+        rank = earlier.sum(-1)  # [B, N] siblings before each node (0: the draft's first choice)
+        acc_rank = rank.gather(1, accept_index[:, 1:].clamp(min=0))  # [B, S]
+        linked = (par[:, 1:] >= 0).sum(-1, keepdim=True)
+        status = torch.isfinite(logits).flatten(1).all(-1).to(torch.int64)  # 1 ok, 0 target NaN, 2 draft NaN
+        if self.proposer.bad is not None:
+            status = torch.where(self.proposer.bad & (status == 1), torch.full_like(status, 2), status)
+        return torch.cat([acc_rank, linked, status[:, None]], 1)
+
     @torch.no_grad()
-    def step(self) -> None:
-        B, K, S, N = len(self.reqs), self.K, self.S, self.N
+    def step(self) -> list:
+        """One speculative round; returns requests retracted for lack of KV (to re-queue)."""
+        retracted = self.make_room()
+        if not self.reqs:
+            return retracted
+        B, S, N = len(self.reqs), self.S, self.N
         m = self.metrics
         rows_t = torch.from_numpy(self.rows).to(self.dev)
         L = self.prep.seq_len[self.rows].copy()
         L_t = torch.from_numpy(L).to(self.dev)
         with m.stage("draft"):
-            blocks = self.draft(rows_t, L, L_t)
-        with m.stage("build_tree"):
-            s_l, t_l, p_l = (list(x) for x in zip(*blocks))
-            tree = self.tree_stage(self.last_token, s_l, t_l, p_l, L_t)
+            tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
         with m.stage("prepare_decode"):
             if not self.prep.reserve(self.rows, np.full(B, N, dtype=np.int64)):
                 raise OutOfKVMemory("KV pool exhausted before verify")
             vbatch = self.verify_batch(tree, rows_t, L, L_t)
         with m.stage("verify"):
             logits, vhidden = self.verify.target_forward(tree.tokens, vbatch)
-            accept_index, count, commit = self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent)
+            accept_index, count, commit = self.accept(logits, tree, draft_probs, L_t)
         with m.stage("commit"):
-            host = torch.cat([count[:, None], commit], 1).tolist()  # the one host sync of the step
-            kept = np.asarray([self.append_tokens(r, h[1: h[0] + 2]) for r, h in zip(self.reqs, host)])
-            m.record_accepts([h[0] for h in host])
+            stats = self.round_stats(tree, accept_index, logits)
+            host = torch.cat([count[:, None], commit, stats], 1).tolist()  # the one host sync of the step
+            kept = np.asarray([self.commit_request(r, h) for r, h in zip(self.reqs, host)])
+            m.record_round([h[0] for h in host], [h[S + 2: 2 * S + 2] for h in host], [h[-2] for h in host])
             kept_t = torch.from_numpy(kept).to(self.dev)
             d = torch.arange(S + 1, device=self.dev)
             src = vbatch.out_slots.gather(1, accept_index.clamp(min=0))  # [B, S+1] slots of accepted nodes
@@ -128,20 +113,20 @@ class EaglePipeline(Pipeline):
             self.prep.commit(self.rows[unfinished], (L + kept)[unfinished])
             self.prep.after_commit(self.rows[unfinished])
         with m.stage("draft_extend"):
-            self.extend_after_verify(unfinished, commit, vhidden, accept_index, L_t, kept_t, rows_t)
+            old_last = self.last_token
+            if unfinished.any():
+                u = torch.from_numpy(np.flatnonzero(unfinished)).to(self.dev)
+                self.proposer.after_verify(self, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
+                self.last_token = old_last.clone()
+                self.last_token[u] = commit[u].gather(1, (kept_t[u] - 1)[:, None])[:, 0]
         self.drop_finished()
         m.num_verify_steps += 1
+        return retracted
 
-    def extend_after_verify(self, unfinished, commit, vhidden, accept_index, L_t, kept_t, rows_t) -> None:
-        """Draft over the committed tokens so the next round starts from the new bonus token."""
-        if not unfinished.any():
-            return
-        u = torch.from_numpy(np.flatnonzero(unfinished)).to(self.dev)
-        H = vhidden.shape[-1]
-        hid = vhidden.gather(1, accept_index.clamp(min=0)[:, :, None].expand(-1, -1, H))[u]  # [B', S+1, H]
-        ids, lens, starts = commit[u], kept_t[u], L_t[u]
-        Lmax = int(self.prep.seq_len[self.rows[unfinished]].max())
-        batch = self.prep.decorate(extend_batch(self.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax)))
-        p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
-        self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h
-        self.last_token[u] = ids.gather(1, (lens - 1)[:, None])[:, 0]
+    def commit_request(self, req, h: list) -> int:
+        """Host side of one request's round: h = [count, commit (S+1), ranks (S), linked, status]."""
+        if h[-1] != 1:
+            who = "target" if h[-1] == 0 else "draft"
+            self.fail(req, f"the {who}'s logits contained NaN or inf; this request was stopped")
+            return 0
+        return self.append_tokens(req, h[1: h[0] + 2])

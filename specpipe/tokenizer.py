@@ -53,3 +53,30 @@ def tokenizer_from_description(desc: dict, folder: Optional[Path] = None):
         return HFTokenizer(Path(folder) / desc.get("file", "tokenizer.json"), desc.get("eos_token_id"),
                            desc.get("bos_token_id"))
     raise ValueError(f"unknown tokenizer type {kind!r} (valid: byte, hf)")
+
+
+class LetterTokenizer:
+    """Tiny vocabularies (tests, toy models): id i is the letter chr(97 + i)."""
+
+    def __init__(self, vocab_size: int, eos_token_id: Optional[int] = None):
+        if not 1 <= vocab_size <= 26:
+            raise ValueError(f"a letter tokenizer has 1..26 ids, got vocab_size={vocab_size}")
+        self.vocab_size, self.eos_token_id, self.bos_token_id = vocab_size, eos_token_id, None
+
+    def encode(self, text: str) -> list[int]:
+        ids = [ord(c) - 97 for c in text]
+        bad = [c for c, i in zip(text, ids) if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"characters {''.join(sorted(set(bad)))!r} are outside this {self.vocab_size}-letter "
+                             f"vocabulary (valid: a..{chr(96 + self.vocab_size)})")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(97 + i) for i in ids if 0 <= i < self.vocab_size)
+
+
+def small_or_byte_tokenizer(vocab_size: int, eos_token_id: Optional[int]):
+    """Bytes when the vocabulary holds them, else letters."""
+    if vocab_size >= 256:
+        return ByteTokenizer(vocab_size, bos_token_id=None, eos_token_id=eos_token_id)
+    return LetterTokenizer(vocab_size, eos_token_id=None)

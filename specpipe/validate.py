@@ -10,7 +10,7 @@ from specpipe.compile_policy import PolicyError, device_problem, parse_policy
 from specpipe.errors import ConfigError
 from specpipe.workload import PROMPT_SETS
 
-DRAFT_METHODS = ("eagle", "none")
+DRAFT_METHODS = ("eagle", "none", "ngram", "standalone")
 DEVICE_MODES = {  # device target -> its entry in compile_policy.DEVICE_SUPPORT (what it can run); imports no backend
     "specpipe.devices.cpu.CpuDevice": "cpu",
     "specpipe.devices.cuda.CudaDevice": "cuda",
@@ -113,6 +113,18 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"allocator.window={a.window} is shorter than one speculative step needs "
                       f"(num_steps + 1 = {cfg.draft.num_steps + 1} tokens); use allocator.window>="
                       f"{cfg.draft.num_steps + 1}")
+    sp = cfg.sampling
+    if sp.temperature < 0:
+        errors.append(f"sampling.temperature={sp.temperature} must be >= 0 (0 is greedy)")
+    if not 0 < sp.top_p <= 1:
+        errors.append(f"sampling.top_p={sp.top_p} must be in (0, 1] (1 keeps every token)")
+    if sp.top_k < 0:
+        errors.append(f"sampling.top_k={sp.top_k} must be >= 0 (0 keeps every token)")
+    d = cfg.draft
+    if d.method == "ngram" and not 1 <= d.min_n <= d.max_n:
+        errors.append(f"draft.min_n={d.min_n}, draft.max_n={d.max_n}: need 1 <= min_n <= max_n")
+    if cfg.get("latency_limit_ms") is not None and cfg.latency_limit_ms <= 0:
+        errors.append(f"latency_limit_ms={cfg.latency_limit_ms} must be > 0 (or null for no limit)")
     if cfg.seed < 0:
         errors.append(f"seed={cfg.seed} must be >= 0")
     if errors:

@@ -7,7 +7,10 @@ from typing import Optional
 
 from specpipe.errors import InputError
 
+# "heldout" (code contexts from stdlib files the shipped pair never trained on) lives in
+# assets/prompts/heldout.jsonl, written by scripts/make_heldout_prompts.py
 PROMPT_SETS = {
+    "heldout": [],
     "code": [
         "def fibonacci(n):\n    ",
         "import os\nimport sys\n\n\ndef main():\n",
@@ -25,9 +28,14 @@ PROMPT_SETS = {
 }
 
 
+HELDOUT = Path(__file__).resolve().parent / "assets" / "prompts" / "heldout.jsonl"
+
+
 def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Optional[int]) -> list[dict]:
     """Returns [{"prompt": str} | {"error": str}] in input order; a bad line becomes a per-request error."""
-    if prompts_file is None:
+    if prompts_file is None and prompt_set == "heldout":
+        items = [{"prompt": json.loads(line)["prompt"]} for line in HELDOUT.read_text().splitlines() if line]
+    elif prompts_file is None:
         items = [{"prompt": p} for p in PROMPT_SETS[prompt_set]]
     else:
         items = read_prompts_file(prompts_file)
@@ -56,10 +64,21 @@ def read_prompts_file(path: str) -> list[dict]:
         except json.JSONDecodeError as e:
             items.append({"error": f"line {n}: not valid JSON ({e.msg})", "prompt": ""})
             continue
+        if isinstance(obj, dict) and "prompt_ids" in obj and "prompt" not in obj:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                items.append({"error": f'line {n}: "prompt_ids" must be a list of integers', "prompt": ""})
+            else:
+                items.append({"prompt": "", "prompt_ids": ids, **({"seed": obj["seed"]} if isinstance(
+                    obj.get("seed"), int) else {})})
+            continue
         if not isinstance(obj, dict) or "prompt" not in obj:
-            items.append({"error": f'line {n}: missing the "prompt" field', "prompt": ""})
+            items.append({"error": f'line {n}: missing the "prompt" field (or "prompt_ids")', "prompt": ""})
         elif not isinstance(obj["prompt"], str):
             items.append({"error": f'line {n}: "prompt" must be a string', "prompt": ""})
         else:
-            items.append({"prompt": obj["prompt"]})
+            item = {"prompt": obj["prompt"]}
+            if isinstance(obj.get("seed"), int):
+                item["seed"] = obj["seed"]
+            items.append(item)
     return items

@@ -74,3 +74,19 @@ def test_stop_token_mid_path_matches_baseline(prompts_file):
     assert got == want
     assert any(len(w) < 20 for w in want), "EOS never fired: pick another token"
     assert m["kv_leaked_slots"] == 0
+
+
+@pytest.mark.parametrize("drafter", [
+    ["draft=ngram", "draft.topk=1", "draft.num_steps=4"],
+    ["draft=ngram", "draft.topk=3", "draft.num_steps=3", "draft.num_draft_tokens=7", "draft.max_n=2"],
+    ["draft=standalone", "draft.topk=1", "draft.num_steps=3"],
+    ["draft=standalone", "draft.topk=2", "draft.num_steps=3", "draft.num_draft_tokens=6"],
+])
+def test_every_drafter_is_lossless(drafter, prompts_file):
+    path = prompts_file(prompts_for(0))
+    pair = build_random_tiny(seed=0, dtype="float64")
+    want = baseline(0, 4, path, pair)
+    got, m = decode(path, pair, "workload.batch_size=4", *drafter)
+    assert got == want
+    assert m["kv_leaked_slots"] == 0
+    assert m["accept_length_mean"] > 1.0, "nothing accepted: the comparison would not exercise commits"

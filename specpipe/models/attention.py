@@ -149,6 +149,11 @@ class Attention(nn.Module):
         flat = out_slots.reshape(-1)
         ks.index_copy_(0, flat, k.reshape(-1, self.n_kv, self.hd).to(ks.dtype))
         vs.index_copy_(0, flat, v.reshape(-1, self.n_kv, self.hd).to(vs.dtype))
+        # hygiene: padding rows wrote slot 0, and columns no query may see are re-pointed at it, so
+        # stale or non-finite K/V elsewhere in the pool can never leak in through a 0 * NaN
+        ks[0].zero_()
+        vs[0].zero_()
+        kv_slots = torch.where(batch.mask.any(1), kv_slots, torch.zeros_like(kv_slots))
         keys = ks[kv_slots].to(q.dtype)  # [B, Lkv, Hkv, D]
         vals = vs[kv_slots].to(q.dtype)
         mask = batch.mask

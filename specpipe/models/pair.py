@@ -15,3 +15,4 @@ class ModelPair:
     draft: Optional[nn.Module]  # EagleHead (or None when the model ships no head)
     tokenizer: Any  # encode(str) -> list[int], decode(ids) -> str, eos_token_id, vocab_size
     name: str = ""
+    standalone: Optional[nn.Module] = None  # a small causal LM for draft=standalone

@@ -9,7 +9,7 @@ from specpipe.errors import ConfigError
 from specpipe.models.eagle import EagleHead
 from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
 from specpipe.models.pair import ModelPair
-from specpipe.tokenizer import ByteTokenizer
+from specpipe.tokenizer import small_or_byte_tokenizer
 
 
 def layer_pattern(sliding_layers: str, num_layers: int) -> Optional[list]:
@@ -68,5 +68,5 @@ def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: 
     dt = getattr(torch, dtype)
     target.to(device=device, dtype=dt).eval()
     draft.to(device=device, dtype=dt).eval()
-    tok = ByteTokenizer(vocab_size, bos_token_id=None, eos_token_id=vocab_size - 1)
+    tok = small_or_byte_tokenizer(vocab_size, eos_token_id=vocab_size - 1)
     return ModelPair(target, draft, tok, name="random_tiny")

@@ -20,56 +20,12 @@ from specpipe.stages.draft_topk import DraftTopK
 from specpipe.stages.verify_sampling import (STREAM_BONUS, STREAM_DRAFT, VerifySampling, process_logits,
                                              sample_tokens, uniform_coins)
 
+from helpers import chi2_pvalue, chi2_sf  # noqa: F401
+
 ALPHA = 1e-4
 ROWS = 12000  # per parameter group
 GROUPS = [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.5, 1.0, 4)]  # (temperature, top_p, top_k)
 ROOT = 3
-
-
-def chi2_sf(x: float, k: int) -> float:
-    """Upper tail of the chi-square law with k degrees of freedom: regularized Q(k/2, x/2)."""
-    a, x = k / 2.0, x / 2.0
-    if x <= 0:
-        return 1.0
-    front = math.exp(-x + a * math.log(x) - math.lgamma(a))
-    if x < a + 1:  # series for the lower tail P(a, x)
-        term = total = 1.0 / a
-        n = 1
-        while term > total * 1e-15:
-            term *= x / (a + n)
-            total += term
-            n += 1
-        return max(0.0, 1.0 - front * total)
-    tiny = 1e-300  # Lentz continued fraction for Q(a, x)
-    b = x + 1 - a
-    c, d = 1 / tiny, 1 / b
-    h = d
-    for i in range(1, 10000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return front * h
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Observed counts vs cell probabilities; zero-probability cells must stay empty; cells with
-    expected count < 5 are pooled into one bin."""
-    n = counts.sum().item()
-    assert counts[probs == 0].sum() == 0, "a token the target can never produce was committed"
-    exp = probs.double() * n
-    big = exp >= 5
-    obs = torch.cat([counts[big].double(), counts[~big & (probs > 0)].sum().double()[None]])
-    ex = torch.cat([exp[big], exp[~big & (probs > 0)].sum()[None]])
-    keep = ex > 0
-    stat = (((obs - ex) ** 2)[keep] / ex[keep]).sum().item()
-    return chi2_sf(stat, int(keep.sum()) - 1)
 
 
 def tables(V: int, seed: int = 0):

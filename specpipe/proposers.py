@@ -1,0 +1,165 @@
+"""Proposers: what a `draft=` option plugs into the speculative loop.
+
+Each proposer keeps its own per-request state and implements
+  join(pipe, reqs, rows_np, ids, hidden, batch, last, first)   after the target prefill
+  keep(keep_t)                                                  when finished requests leave
+  propose(pipe, rows_t, L, L_t) -> (Tree, draft_probs | None)   one draft round
+  after_verify(pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
+so the verify/commit code in `spec_pipeline` is shared by every drafter.
+"""
+from __future__ import annotations
+
+import torch
+
+from specpipe.drafters.ngram import NgramDrafter
+from specpipe.models.attention_batch import extend_batch
+from specpipe.pipeline import OutOfKVMemory, bucket
+from specpipe.stages.build_tree import BuildTree, Tree
+from specpipe.stages.draft_forward import DraftForward, draft_decode_batch
+from specpipe.stages.draft_topk import DraftTopK
+
+
+def non_finite(score_blocks: list, batch_size: int):
+    """[B] bool: a request whose draft scores (hence draft logits) hold NaN or inf this round."""
+    return ~torch.isfinite(torch.cat([s.reshape(batch_size, -1) for s in score_blocks], 1)).all(-1)
+
+
+class EagleProposer:
+    """EAGLE-1/2 head: tree drafting from the target's hidden states."""
+
+    def __init__(self, head, topk: int, num_steps: int, num_draft_tokens: int, fused_topk: bool = False):
+        self.head = head
+        self.K, self.S, self.N = topk, num_steps, num_draft_tokens
+        self.topk_stage = DraftTopK(topk, fused_topk)
+        self.tree_stage = BuildTree(topk, num_steps, num_draft_tokens)
+        self.draft_fwd = DraftForward(head, topk)
+        self.stages = [self.topk_stage, self.tree_stage, self.draft_fwd]
+        self.bad = None  # [B] draft logits non-finite this round
+        self.topk_p = self.topk_index = self.draft_hidden = None
+
+    def join(self, pipe, reqs, rows_np, ids, hidden, batch, last, first) -> None:
+        """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p)."""
+        ids_d = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1).scatter(1, last[:, None], first[:, None])
+        p, idx, h = self.draft_fwd.extend(ids_d, hidden, batch, last)
+        if self.topk_p is None or self.topk_p.shape[0] == 0:
+            self.topk_p, self.topk_index, self.draft_hidden = p, idx, h
+        else:
+            self.topk_p = torch.cat([self.topk_p, p])
+            self.topk_index = torch.cat([self.topk_index, idx])
+            self.draft_hidden = torch.cat([self.draft_hidden, h])
+
+    def keep(self, keep_t) -> None:
+        self.topk_p, self.topk_index = self.topk_p[keep_t], self.topk_index[keep_t]
+        self.draft_hidden = self.draft_hidden[keep_t]
+
+    def scratch_tokens(self, batch_size: int) -> int:
+        return batch_size * self.K * (self.S - 1)
+
+    def propose(self, pipe, rows_t, L, L_t):
+        B, K, S = len(pipe.reqs), self.K, self.S
+        prep, dev = pipe.prep, pipe.dev
+        sc = prep.scratch(B * K * (S - 1))
+        if sc is None:
+            raise OutOfKVMemory("KV pool exhausted while drafting")
+        scratch_slots, state = sc
+        scratch = scratch_slots.view(B, S - 1, K)
+        Lp = bucket(L.max())
+        prefix_slots = prep.slots(rows_t, torch.zeros_like(L_t), Lp)
+        prefix_valid = torch.arange(Lp, device=dev)[None, :] < L_t[:, None]
+        anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
+        kk = torch.arange(K, device=dev)
+        ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
+        blocks = [blk]
+        for i in range(S - 1):
+            if i > 0:  # each new branch inherits its parent branch's visible draft tokens
+                anc = anc.gather(1, pb[:, :, None].expand(-1, -1, anc.shape[2]))
+            anc[:, kk, i * K + kk] = True
+            batch = prep.decorate(draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t))
+            tp, ti, hout = self.draft_fwd.decode(ids.view(B, K), hid.view(B, K, -1), batch)
+            ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
+            blocks.append(blk)
+        prep.end_scratch(state)
+        s_l, t_l, p_l = (list(x) for x in zip(*blocks))
+        self.bad = non_finite(s_l, B)
+        return self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t), None
+
+    def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
+        """Draft over the committed tokens so the next round starts from the new bonus token."""
+        H = vhidden.shape[-1]
+        hid = vhidden.gather(1, accept_index.clamp(min=0)[:, :, None].expand(-1, -1, H))[u]  # [B', S+1, H]
+        ids, lens, starts = commit[u], kept_t[u], L_t[u]
+        Lmax = int((starts + lens).max())
+        batch = pipe.prep.decorate(extend_batch(pipe.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax)))
+        p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
+        self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h
+
+
+class NgramProposer:
+    """Prompt lookup: drafts continuations of the request's own context; no model, no KV."""
+
+    def __init__(self, topk: int, num_steps: int, num_draft_tokens: int, min_n: int, max_n: int,
+                 max_requests: int, max_context: int, device):
+        self.drafter = NgramDrafter(num_steps, topk, num_draft_tokens, min_n, max_n)
+        self.bad = None
+        self.S = num_steps
+        self.tokens = torch.zeros((max_requests, max_context + num_steps + 2), dtype=torch.int64,
+                                  device=device)  # [R, C] token history per table row
+        self.stages = []
+
+    def join(self, pipe, reqs, rows_np, ids, hidden, batch, last, first) -> None:
+        rows_t = torch.from_numpy(rows_np).to(pipe.dev)
+        T = ids.shape[1]
+        self.tokens[rows_t, :T] = ids
+        self.tokens[rows_t, last + 1] = first
+
+    def keep(self, keep_t) -> None:
+        pass
+
+    def scratch_tokens(self, batch_size: int) -> int:
+        return 0
+
+    def propose(self, pipe, rows_t, L, L_t):
+        width = int(L.max()) + 1
+        ctx = self.tokens[rows_t, :width]
+        return self.drafter.propose(ctx, L_t + 1, L_t), None
+
+    def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
+        d = torch.arange(commit.shape[1], device=commit.device)
+        cols = (L_t[u][:, None] + 1 + d).clamp(max=self.tokens.shape[1] - 1)
+        keep = d[None, :] < kept_t[u][:, None]
+        cur = self.tokens[rows_t[u][:, None], cols]
+        self.tokens[rows_t[u][:, None], cols] = torch.where(keep, commit[u], cur)
+
+
+class StandaloneProposer:
+    """A small causal LM with its own KV pool drafts a chain or a tree (`drafters.standalone`)."""
+
+    def __init__(self, drafter, sampled_chain: bool):
+        self.sd = drafter
+        self.sampled_chain = sampled_chain
+        self.bad = None
+        self.S = drafter.S
+        self.tree_stage = BuildTree(drafter.K, drafter.S, drafter.N)
+        self.stages = [drafter, drafter.topk_stage, self.tree_stage]
+
+    def join(self, pipe, reqs, rows_np, ids, hidden, batch, last, first) -> None:
+        self.sd.prefill(ids, batch)
+
+    def keep(self, keep_t) -> None:
+        pass
+
+    def scratch_tokens(self, batch_size: int) -> int:
+        return batch_size * (1 + self.sd.K * (self.S - 1))
+
+    def propose(self, pipe, rows_t, L, L_t):
+        s = pipe.sampling
+        sampling = (s.temperature, s.top_p, s.top_k, s.seed) if self.sampled_chain else None
+        blocks, draft_probs = self.sd.draft(pipe.prep, rows_t, L, L_t, pipe.last_token, sampling=sampling)
+        s_l, t_l, p_l = (list(x) for x in zip(*blocks))
+        self.bad = non_finite(s_l, len(pipe.reqs))
+        tree: Tree = self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t)
+        return tree, draft_probs
+
+    def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
+        ids = torch.cat([old_last[:, None], commit], 1)[u, : self.S + 1]
+        self.sd.extend_committed(pipe.prep.table, rows_t[u], L_t[u], ids, kept_t[u])

@@ -1,0 +1,103 @@
+"""Bad inputs fail per request, KV pressure retracts instead of failing, NaN stops only its request."""
+import json
+import random
+
+import pytest
+import torch
+
+from helpers import compose
+from specpipe.app import run
+from specpipe.models.random_tiny import build_random_tiny
+
+
+def run_on(path, pair, *overrides):
+    cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *overrides)
+    return run(cfg, quiet=True, pair=pair)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_random_tiny(seed=2, dtype="float64", max_position=128)
+
+
+def test_bad_requests_fail_alone(tmp_path, pair):
+    lines = [json.dumps({"prompt": "def f(x):"}).encode(), json.dumps({"prompt": ""}).encode(),
+             b'{"prompt": "\xff\xfe broken"}', json.dumps({"text": "no prompt field"}).encode(),
+             json.dumps({"prompt": "x" * 200}).encode(), json.dumps({"prompt_ids": [1, 2, 99999]}).encode(),
+             b"{not json", json.dumps({"prompt_ids": [100, 101, 102]}).encode(),
+             json.dumps({"prompt": "class A:"}).encode()]
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    out = run_on(path, pair, "workload.max_new_tokens=8")
+    reqs = out["requests"]
+    assert [r.finish_reason for r in reqs] == ["length", "error", "error", "error", "error", "error", "error",
+                                               "length", "length"]
+    msgs = [r.error for r in reqs]
+    assert "empty prompt" in msgs[1] and "UTF-8" in msgs[2] and '"prompt" field' in msgs[3]
+    assert "exceeds the model's context of 128" in msgs[4] and "outside the vocabulary" in msgs[5]
+    assert "not valid JSON" in msgs[6]
+    assert out["metrics"]["num_errors"] == 6 and out["metrics"]["kv_leaked_slots"] == 0
+
+
+def mixed_prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt": "".join(rng.choice("abcdefgh ()=:") for _ in range(rng.randint(1, 40)))} for _ in range(n)]
+
+
+@pytest.mark.parametrize("draft", [["draft.topk=4", "draft.num_steps=3"], ["draft=none"]])
+def test_memory_pressure_outputs_equal_ample_pool(tmp_path, pair, draft):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(200)))
+    common = ["workload.max_new_tokens=16", "workload.batch_size=64", *draft]
+    ample = run_on(path, pair, *common, "allocator.num_slots=20000")
+    # 200 requests need ~ 200 * (20 + 16 + tree) slots in all; a quarter of that keeps ~50 resident
+    tight = run_on(path, pair, *common, "allocator.num_slots=1600", "allocator=paged", "allocator.page_size=16")
+    assert [r.output_ids for r in tight["requests"]] == [r.output_ids for r in ample["requests"]]
+    assert [r.finish_reason for r in tight["requests"]] == [r.finish_reason for r in ample["requests"]]
+    assert all(r.finish_reason in ("length", "stop") for r in tight["requests"])
+    assert tight["metrics"]["kv_leaked_slots"] == 0
+    assert tight["metrics"]["kv_peak_slots"] <= 1600
+    assert tight["metrics"]["retractions"] > 0  # running requests really were evicted and recomputed
+    assert ample["metrics"]["kv_peak_slots"] > 1600  # the tight pool really was too small for the batch
+
+
+def test_request_larger_than_the_pool_fails_alone(tmp_path, pair):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "ab"}) + "\n" + json.dumps({"prompt": "q" * 100}) + "\n")
+    out = run_on(path, pair, "workload.max_new_tokens=8", "allocator.num_slots=64", "draft=none")
+    assert out["requests"][0].finish_reason == "length"
+    assert out["requests"][1].finish_reason == "error" and "raise allocator.num_slots" in out["requests"][1].error
+
+
+NAN_CASES = [("target", ["draft.topk=2", "draft.num_steps=3"]), ("target", ["draft=none"]),
+             ("target", ["draft=ngram"]), ("draft", ["draft.topk=2", "draft.num_steps=3"])]
+
+
+@pytest.mark.parametrize("where,draft", NAN_CASES)
+def test_nan_in_one_requests_logits_stops_only_that_request(tmp_path, pair, where, draft):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(4, seed=1)))
+    common = ["workload.max_new_tokens=12", "workload.batch_size=4", *draft]
+    clean = run_on(path, pair, *common)
+    calls = {"n": 0}
+
+    def poison(_mod, _inp, out):  # the third forward (a decode step) returns NaN for batch row 1
+        calls["n"] += 1
+        if calls["n"] == 3 and out.shape[0] > 1:
+            out = out.clone()
+            out[1] = float("nan")
+        return out
+
+    module = pair.target if where == "target" else pair.draft
+    handle = module.register_forward_hook(poison)
+    try:
+        hit = run_on(path, pair, *common)
+    finally:
+        handle.remove()
+    reasons = [r.finish_reason for r in hit["requests"]]
+    assert reasons.count("error") == 1
+    assert f"the {where}'s logits contained NaN" in hit["requests"][reasons.index("error")].error
+    for a, b in zip(hit["requests"], clean["requests"]):
+        if a.finish_reason != "error":
+            assert a.output_ids == b.output_ids
+    assert hit["metrics"]["kv_leaked_slots"] == 0
