@@ -66,7 +66,8 @@ def reword(exc: Exception, overrides: list[str]) -> str:
         re.search(r"Could not override '([^']+)'", msg)
     if m:
         key = m.group(1)
-        full = next((o.split("=")[0].lstrip("+~") for o in overrides if key in o.split("=")[0]), key)
+        keys = [o.split("=")[0].lstrip("+~") for o in overrides]
+        full = next((k for k in keys if k == key), None) or next((k for k in keys if k.endswith("." + key)), key)
         valid = valid_keys(full)
         hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
         return (f"specpipe: invalid override: '{full}' is not a configuration key{hint}. "

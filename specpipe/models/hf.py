@@ -18,12 +18,13 @@ from torch import Tensor, nn
 from specpipe.models.llama import LlamaConfig, LlamaForCausalLM, Rotary
 from specpipe.models.hf_save import config_to_hf, save_eagle, save_target, to_dtype  # noqa: F401  (public API)
 from specpipe.models.pair import ModelPair
+from specpipe.errors import SpecpipeError
 
 TARGET_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SpecpipeError, ValueError):
     """A model folder that cannot be loaded; the message names the file and the field or tensor."""
 
 

@@ -1,0 +1,90 @@
+"""A table of bad configs and inputs: each gives one paragraph naming the problem, exit code 2, no traceback."""
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from specpipe.cli_errors import precheck
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=4"]
+
+# (overrides, message fragment, caught before Hydra runs the job)
+CASES = [
+    (["allocator=foo"], "has no option 'foo'", True),
+    (["device=tpu"], "has no option 'tpu'", True),
+    (["draft=medusa"], "has no option 'medusa'", True),
+    (["compile=fastest"], "has no option 'fastest'", True),
+    (["draft.bogus=1"], "'draft.bogus' is not a configuration key", True),
+    (["bogus=1"], "'bogus' is not a configuration key", True),
+    (["workload.max_new=5"], "'workload.max_new' is not a configuration key", True),
+    (["draft.topk=abc"], "draft.topk", True),
+    (["workload.batch_size=1.5"], "workload.batch_size", True),
+    (["allocator.debug=maybe"], "allocator.debug", True),
+    (["draft.topk=0"], "draft.topk=0 must be >= 1", True),
+    (["draft.num_steps=0"], "draft.num_steps=0 must be >= 1", True),
+    (["draft.num_draft_tokens=1"], "must be >= 2", True),
+    (["draft.topk=2", "draft.num_steps=2", "draft.num_draft_tokens=20"], "num_draft_tokens=20 is too large", True),
+    (["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=6"], "must be <= num_steps+1", True),
+    (["allocator=paged", "allocator.page_size=3"], "page_size=3 must be a power of two", True),
+    (["allocator=paged", "allocator.page_size=0"], "must be a power of two", True),
+    (["allocator.num_slots=10"], "smaller than one request needs", True),
+    (["allocator=swa", "allocator.window=2"], "allocator.window=2 is shorter", True),
+    (["workload.batch_size=0"], "workload.batch_size=0 must be >= 1", True),
+    (["workload.max_new_tokens=0"], "workload.max_new_tokens=0 must be >= 1", True),
+    (["workload.num_prompts=0"], "workload.num_prompts=0 must be >= 1", True),
+    (["workload.prompt_set=poems"], "workload.prompt_set='poems' is unknown", True),
+    (["workload.prompts_file=/does/not/exist.jsonl"], "is not a readable file", True),
+    (["workload.prompts_file=/tmp"], "is not a readable file", True),
+    (["sampling.temperature=-1"], "sampling.temperature=-1.0 must be >= 0", True),
+    (["sampling.top_p=0"], "sampling.top_p=0.0 must be in (0, 1]", True),
+    (["sampling.top_k=-3"], "sampling.top_k=-3 must be >= 0", True),
+    (["draft=ngram", "draft.min_n=3", "draft.max_n=2"], "need 1 <= min_n <= max_n", True),
+    (["device.dtype=float8"], "device.dtype='float8' is unknown", True),
+    (["seed=-1"], "seed=-1 must be >= 0", True),
+    (["allocator._target_=os.system"], "only classes and functions inside the 'specpipe' package", True),
+    (["model._target_=subprocess.call"], "refused", True),
+    (["compile.draft_topk.later=jit"], "unknown mode 'jit'", True),
+    (["compile.draft_topk.latr=eager"], "'compile.draft_topk.latr' is not a configuration key", True),
+    (["compile.draft_topk.later=compile(dynamic=false)"], "quote a policy expression", True),
+    (["compile=graph"], "graph", True),
+    (["model=hf"], "model.path is required", True),
+    (["latency_limit_ms=0"], "latency_limit_ms=0.0 must be > 0", True),
+    (["draft.topk=0", "workload.batch_size=0", "sampling.top_k=-1"], "3 problems", True),
+    (["model=hf", "model.path=/nonexistent/model"], "/nonexistent/model", False),
+    (["device=cuda"], "device=cuda cannot be used", False),
+    (["device=npu", "allocator=swa"], "device=npu cannot be used", False),
+    (["allocator=swa"], "sliding-window layers", False),
+    (["draft=standalone", "model=hf", "model.path=/nonexistent/model"], "/nonexistent/model", False),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment,early", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_precheck_names_the_problem(overrides, fragment, early):
+    msg = precheck(SMALL + overrides)
+    if early:
+        assert msg is not None and fragment in msg, msg
+        assert msg.startswith("specpipe:") and "Traceback" not in msg
+    else:
+        assert msg is None  # only running the job can tell (missing files, devices, model structure)
+
+
+def cli(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "specpipe", *args, f"hydra.run.dir={cwd}/run"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_every_case_exits_2_without_traceback(tmp_path):
+    assert len(CASES) >= 30
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda c: cli(SMALL + c[0], tmp_path), CASES))
+    for (overrides, fragment, _), p in zip(CASES, results):
+        out = p.stderr + p.stdout
+        assert p.returncode == 2, (overrides, p.returncode, out[-800:])
+        assert fragment in p.stderr, (overrides, p.stderr)
+        assert "Traceback" not in out, (overrides, out[-800:])
+        assert not (tmp_path / "run" / "metrics.json").exists()

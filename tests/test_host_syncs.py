@@ -1,0 +1,60 @@
+"""The decode hot path reads back from the device once per step (the committed tokens), nothing else.
+
+Explicit device->host reads are counted by wrapping Tensor.item/tolist/cpu/numpy/__bool__ while
+steady-state steps run; the allocator gets page counts from host integers (num_new_pages), so it
+never needs to read a device tensor either.
+"""
+from collections import Counter
+
+import pytest
+import torch
+
+from helpers import compose
+from specpipe.app import run
+from specpipe.runner import run_requests
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__")
+
+
+@pytest.mark.parametrize("overrides", [
+    ["draft.topk=4", "draft.num_steps=3"],
+    ["draft.topk=1", "draft.num_steps=4", "allocator=paged", "allocator.page_size=16"],
+    ["draft=ngram"],
+    ["draft=none"],
+])
+def test_one_host_read_per_step(monkeypatch, overrides):
+    counts, in_step = Counter(), [False]
+    for name in READS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **k):
+            if in_step[0]:
+                counts[_name] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    steps = [0]
+
+    def spy(run_requests_fn):
+        def inner(pipe, reqs, batch_size, show_progress=None):
+            cls = type(pipe)
+            real = cls.step
+
+            def counted(self):
+                steps[0] += 1
+                in_step[0] = steps[0] > 2  # after warm-up
+                try:
+                    return real(self)
+                finally:
+                    in_step[0] = False
+            monkeypatch.setattr(cls, "step", counted)
+            return run_requests_fn(pipe, reqs, batch_size, show_progress)
+        return inner
+
+    monkeypatch.setattr("specpipe.app.run_requests", spy(run_requests))
+    cfg = compose("model=random_tiny", "workload.num_prompts=2", "workload.batch_size=2",
+                  "workload.max_new_tokens=40", *overrides)
+    run(cfg, quiet=True)
+    measured = steps[0] - 2
+    assert measured > 5
+    assert counts["tolist"] == measured, counts  # the commit's single read per step
+    assert counts["item"] == counts["cpu"] == counts["numpy"] == counts["__bool__"] == 0, counts

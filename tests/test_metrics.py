@@ -1,0 +1,60 @@
+"""Metric definitions on hand-made verify traces."""
+import pytest
+
+from specpipe.metrics import Metrics
+
+
+def trace():
+    # num_steps=3, topk=2, num_draft_tokens=6 (5 draft slots). Four (request, round) records:
+    #   accepted 0 | accepted 3 (ranks 0,1,0) | accepted 1 (rank 1) | accepted 2 (ranks 0,0)
+    m = Metrics(num_steps=3, topk=2, num_draft_tokens=6)
+    m.record_round([0, 3], [[0, 0, 0], [0, 1, 0]], [5, 5])
+    m.record_round([1, 2], [[1, 0, 0], [0, 0, 1]], [4, 2])
+    m.num_verify_steps = 2
+    m.generated_tokens = 10
+    return m.summary(wall_s=2.0, recompiles=0)
+
+
+def test_acceptance_length_counts_the_bonus():
+    s = trace()
+    assert s["accept_length_mean"] == pytest.approx((1 + 4 + 2 + 3) / 4)
+    assert s["mean_acceptance_length"] == s["accept_length_mean"]
+    assert s["accept_length_histogram"] == [1, 1, 1, 1]  # rounds committing 1, 2, 3, 4 tokens
+
+
+def test_per_position_is_unconditional_and_per_depth_conditional():
+    s = trace()
+    assert s["acceptance_rate_per_position"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert s["acceptance_rate_by_depth"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert s["num_accepted_tokens_per_pos"] == [3, 2, 1]
+
+
+def test_rank_of_accepted_children_uses_only_accepted_depths():
+    s = trace()
+    # accepted nodes' ranks: (0,1,0) + (1) + (0,0) -> rank 0: 4, rank 1: 2
+    assert s["acceptance_by_rank"] == pytest.approx([4 / 6, 2 / 6])
+
+
+def test_budget_and_counters():
+    s = trace()
+    assert s["num_drafts"] == 4 and s["num_accepted_tokens"] == 6
+    assert s["num_draft_tokens"] == 16
+    assert s["draft_acceptance_rate"] == pytest.approx(6 / 16)
+    assert s["tree_budget_use"] == pytest.approx((16 / 4) / 5)
+    assert s["tokens_per_s"] == 5.0
+
+
+def test_host_time_is_stage_time_minus_model_time():
+    m = Metrics(1)
+    m.stage_s["verify"], m.model_s["verify"] = 0.5, 0.3
+    m.num_verify_steps = 10
+    s = m.summary(1.0, 0)
+    assert s["stage_ms"]["verify"] == pytest.approx(50)
+    assert s["stage_model_ms"]["verify"] == pytest.approx(30)
+    assert s["stage_host_ms"]["verify"] == pytest.approx(20)
+    assert s["model_share"] == pytest.approx(0.6)
+
+
+def test_empty_run_has_no_acceptance():
+    s = Metrics(2).summary(0.0, 0)
+    assert s["accept_length_mean"] is None and s["tokens_per_s"] == 0.0
