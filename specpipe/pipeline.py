@@ -66,6 +66,7 @@ class Pipeline:
         self.rows = np.zeros(0, dtype=np.int64)
         self.last_token = torch.zeros(0, dtype=torch.int64, device=self.dev)  # [B]
         self.sampling = sampling or SamplingState(0.0, 1.0, 0, self.dev)
+        self.feature_layers = None  # EAGLE-3 drafters read these target layers instead of the final hidden
 
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
@@ -153,10 +154,14 @@ class Pipeline:
         rows_t = torch.from_numpy(rows_np).to(self.dev)
         lens_t = torch.from_numpy(lens).to(self.dev)
         batch = self.prep.decorate(extend_batch(self.prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T)))
-        hidden = self.target(ids, batch)  # [B, T, H]
         last = lens_t - 1
-        h_last = hidden[torch.arange(len(reqs), device=self.dev), last]
-        logits = self.target.logits(h_last)  # [B, V]
+        if self.feature_layers:
+            from specpipe.models.eagle3 import target_forward_aux
+
+            final, hidden = target_forward_aux(self.target, ids, batch, self.feature_layers)  # hidden: features
+        else:
+            final = hidden = self.target(ids, batch)  # [B, T, H]
+        logits = self.target.logits(final[torch.arange(len(reqs), device=self.dev), last])  # [B, V]
         self.prep.commit(rows_np, lens)
         self.prep.after_commit(rows_np)
         return rows_np, ids, hidden, batch, last, logits

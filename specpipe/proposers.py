@@ -35,6 +35,7 @@ class EagleProposer:
         self.draft_fwd = DraftForward(head, topk)
         self.stages = [self.topk_stage, self.tree_stage, self.draft_fwd]
         self.bad = None  # [B] draft logits non-finite this round
+        self.feature_layers = getattr(head, "aux_layers", None)  # EAGLE-3 reads several target layers
         self.topk_p = self.topk_index = self.draft_hidden = None
 
     def join(self, pipe, reqs, rows_np, ids, hidden, batch, last, first) -> None:

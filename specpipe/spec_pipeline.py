@@ -22,7 +22,8 @@ class SpecPipeline(Pipeline):
         self.S, self.N = num_steps, num_draft_tokens
         self.growth = num_draft_tokens
         self.proposer = proposer
-        self.verify = Verify(target, num_steps)
+        self.feature_layers = getattr(proposer, "feature_layers", None)
+        self.verify = Verify(target, num_steps, self.feature_layers)
         self.verify_sampling = VerifySampling(num_steps)
         self.stages = [*proposer.stages, self.verify, self.verify_sampling, self.prep]
         for st in self.stages:

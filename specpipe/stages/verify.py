@@ -12,18 +12,29 @@ from torch import Tensor
 from specpipe.stages.base import Stage, branch
 
 
+def target_features(model, tokens: Tensor, batch, feature_layers=None):
+    """Logits and the hidden features a drafter consumes: the final hidden, or (EAGLE-3) chosen layers."""
+    if feature_layers:
+        from specpipe.models.eagle3 import target_forward_aux
+
+        hidden, feats = target_forward_aux(model, tokens, batch, feature_layers)
+        return model.logits(hidden), feats
+    hidden = model(tokens, batch)
+    return model.logits(hidden), hidden
+
+
 class Verify(Stage):
     name = "verify"
 
-    def __init__(self, target, num_steps: int):
+    def __init__(self, target, num_steps: int, feature_layers=None):
         self.model = target
         self.num_steps = num_steps
+        self.feature_layers = feature_layers  # EAGLE-3: the draft reads these layers' outputs, concatenated
 
     @branch
     def target_forward(self, tokens: Tensor, batch):
-        """[B, N] tokens -> logits [B, N, V], hidden [B, N, H]."""
-        hidden = self.model(tokens, batch)
-        return self.model.logits(hidden), hidden
+        """[B, N] tokens -> logits [B, N, V], features [B, N, H] for the drafter (final hidden, or aux layers)."""
+        return target_features(self.model, tokens, batch, self.feature_layers)
 
     @branch
     def greedy(self, predict: Tensor, tokens: Tensor, parent: Tensor):
