@@ -51,17 +51,7 @@ class HiSparseAllocator(PairedAllocator):
         self.mapping[ids] = dev
         return ids
 
-    def alloc_extend(self, prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor,
-                     num_new_pages: Optional[int] = None, extend_num_tokens: Optional[int] = None
-                     ) -> Optional[Tensor]:
-        """Prefill: every new token gets a logical id and a device slot; pages counted once."""
-        n, t = self._counts(prefix_lens, seq_lens, num_new_pages, extend_num_tokens)
-        if not self._fits(n):
-            return None
-        dev_last = self.mapping[last_loc]            # [B]
-        ids = self.logical.alloc_extend(prefix_lens, seq_lens, last_loc, n, t)      # [T]
-        self.mapping[ids] = self.devpool.alloc_extend(prefix_lens, seq_lens, dev_last, n, t)
-        return ids
+    # alloc_extend (prefill: every new token gets a logical id and a device slot) is PairedAllocator's
 
     def alloc_logical_only(self, prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor,
                            num_new_pages: Optional[int] = None,

@@ -73,6 +73,19 @@ class PairedAllocator(KVAllocator):
         """Peer slots of primary slots ([N] -> [N]); 0 = none, -1 -> -1."""
         return self.mapping[slots]
 
+    def alloc_extend(self, prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor,
+                     num_new_pages: Optional[int] = None, extend_num_tokens: Optional[int] = None
+                     ) -> Optional[Tensor]:
+        """Same contract as PagedAllocator.alloc_extend, on both sides; the pages are counted once
+        and passed to both (identical lengths, so identical page counts)."""
+        n, t = self._counts(prefix_lens, seq_lens, num_new_pages, extend_num_tokens)
+        if not self._fits(n):
+            return None
+        peer_last = self.mapping[last_loc]           # [B]
+        ids = self.primary.alloc_extend(prefix_lens, seq_lens, last_loc, n, t)      # [T]
+        self.mapping[ids] = self.peer.alloc_extend(prefix_lens, seq_lens, peer_last, n, t)
+        return ids
+
     # ---- helpers for subclasses -----------------------------------------------------------
     def _fits(self, pages: int, on_peer: bool = True) -> bool:
         """Capacity of both sides, checked before either side allocates."""
@@ -156,18 +169,6 @@ class SWAAllocator(PairedAllocator):
             return None
         full = self.full.alloc(n)                    # [n]
         self.mapping[full] = self.swa.alloc(n)
-        return full
-
-    def alloc_extend(self, prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor,
-                     num_new_pages: Optional[int] = None, extend_num_tokens: Optional[int] = None
-                     ) -> Optional[Tensor]:
-        """Same contract as PagedAllocator.alloc_extend; the pages are counted once for both."""
-        n, t = self._counts(prefix_lens, seq_lens, num_new_pages, extend_num_tokens)
-        if not self._fits(n):
-            return None
-        swa_last = self.mapping[last_loc]            # [B]
-        full = self.full.alloc_extend(prefix_lens, seq_lens, last_loc, n, t)        # [T]
-        self.mapping[full] = self.swa.alloc_extend(prefix_lens, seq_lens, swa_last, n, t)
         return full
 
     def alloc_decode(self, seq_lens: Tensor, last_loc: Tensor,
