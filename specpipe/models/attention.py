@@ -139,12 +139,13 @@ class Attention(nn.Module):
 
     def _pool_attention(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, kv: KVPool) -> Tensor:
         layer = self.layer_idx
-        out_slots, kv_slots = batch.out_slots, batch.kv_slots
+        read, swa_read = batch.read_slots()
+        out_slots, kv_slots = batch.out_slots, read
         if kv.windowed[layer]:  # this layer's storage is the window pool: use translated slots
             if batch.swa_kv_slots is None:
                 raise RuntimeError(f"layer {layer} keeps its K/V in the window pool, but the batch has no "
                                    "window-pool slots (build it through PrepareDecode.decorate with allocator=swa)")
-            out_slots, kv_slots = batch.swa_out_slots, batch.swa_kv_slots
+            out_slots, kv_slots = batch.swa_out_slots, swa_read
         ks, vs = kv.layer(layer)
         flat = out_slots.reshape(-1)
         ks.index_copy_(0, flat, k.reshape(-1, self.n_kv, self.hd).to(ks.dtype))
@@ -153,7 +154,6 @@ class Attention(nn.Module):
         # stale or non-finite K/V elsewhere in the pool can never leak in through a 0 * NaN
         ks[0].zero_()
         vs[0].zero_()
-        kv_slots = torch.where(batch.mask.any(1), kv_slots, torch.zeros_like(kv_slots))
         keys = ks[kv_slots].to(q.dtype)  # [B, Lkv, Hkv, D]
         vals = vs[kv_slots].to(q.dtype)
         mask = batch.mask

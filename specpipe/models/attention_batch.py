@@ -25,6 +25,20 @@ class AttentionBatch:
     swa_out_slots: Optional[Tensor] = None  # [B, Q] window-pool slots of out_slots (allocator=swa)
     swa_kv_slots: Optional[Tensor] = None  # [B, Lkv] window-pool slots of kv_slots (0 = evicted/padding)
     observe: Optional[Callable] = None  # observe(layer, batch, selected [B,Q,Lkv], token_bytes, budget) (hisparse)
+    _read_slots: Optional[tuple] = None  # memo of read_slots()
+
+    def read_slots(self) -> tuple[Tensor, Optional[Tensor]]:
+        """kv_slots (and swa_kv_slots) with every column no query may see re-pointed at slot 0.
+
+        Masked columns get zero weight, but 0 * NaN is NaN: stale slots (a row's old table entries,
+        another request's freed K/V) must never be read. Computed once per forward, not per layer.
+        """
+        if self._read_slots is None:
+            seen = self.mask.any(1)  # [B, Lkv]
+            zero = torch.zeros((), dtype=self.kv_slots.dtype, device=self.kv_slots.device)
+            swa = None if self.swa_kv_slots is None else torch.where(seen, self.swa_kv_slots, zero)
+            self._read_slots = (torch.where(seen, self.kv_slots, zero), swa)
+        return self._read_slots
 
     @property
     def batch_size(self) -> int:
