@@ -186,7 +186,7 @@ class CompileConf:
 @dataclass
 class WorkloadConf:
     prompts_file: Optional[str] = None  # JSON lines with a "prompt" field; None: built-in prompts
-    prompt_set: str = "code"  # built-in set when no file is given
+    prompt_set: str = "heldout"  # built-in set when no file is given (heldout: code the shipped pair never saw)
     num_prompts: Optional[int] = None  # cap on the number of prompts (None: all)
     max_new_tokens: int = 64
     batch_size: int = 4  # requests decoded together

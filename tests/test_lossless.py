@@ -90,3 +90,18 @@ def test_every_drafter_is_lossless(drafter, prompts_file):
     assert got == want
     assert m["kv_leaked_slots"] == 0
     assert m["accept_length_mean"] > 1.0, "nothing accepted: the comparison would not exercise commits"
+
+
+def test_shipped_tiny_pair_is_lossless(prompts_file):
+    """The trained pair (model=tiny) through the same check: EAGLE trees and chains equal plain greedy."""
+    from specpipe.models.hf import load_tiny
+
+    pair = load_tiny(dtype="float64")
+    path = prompts_file(["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ", "import os\n"])
+    common = ["model=tiny", "device.dtype=float64", f"workload.prompts_file={path}", "workload.max_new_tokens=24",
+              "workload.batch_size=3"]
+    want = [r.output_ids for r in run(compose(*common, "draft=none"), quiet=True, pair=pair)["requests"]]
+    for shape in (["draft.topk=1", "draft.num_steps=5"], ["draft.topk=4", "draft.num_steps=4", "draft.num_draft_tokens=10"]):
+        out = run(compose(*common, *shape), quiet=True, pair=pair)
+        assert [r.output_ids for r in out["requests"]] == want, shape
+        assert out["metrics"]["accept_length_mean"] > 1.5  # a trained head really drafts

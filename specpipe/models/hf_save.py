@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "float64": torch.float64}  # float64: exact-equivalence tests
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
@@ -65,7 +66,7 @@ def to_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype) or dtype is None:
         return dtype or torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported (valid: float32, bfloat16, float16)")
+        raise ValueError(f"dtype={dtype!r} is not supported (valid: float32, bfloat16, float16, float64)")
     return DTYPES[dtype]
 
 
