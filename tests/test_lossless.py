@@ -105,3 +105,17 @@ def test_shipped_tiny_pair_is_lossless(prompts_file):
         out = run(compose(*common, *shape), quiet=True, pair=pair)
         assert [r.output_ids for r in out["requests"]] == want, shape
         assert out["metrics"]["accept_length_mean"] > 1.5  # a trained head really drafts
+
+
+@pytest.mark.parametrize("alloc", [["allocator=token"], ["allocator=paged", "allocator.page_size=1"],
+                                   ["allocator=paged", "allocator.page_size=16"],
+                                   ["allocator=hisparse", "allocator.page_size=16"]])
+@pytest.mark.parametrize("topk", [1, 4])
+def test_every_allocator_is_lossless_and_leak_free(alloc, topk, prompts_file):
+    """allocator=swa needs a sliding-window model: the same matrix runs in test_swa_integration.py."""
+    path = prompts_file(prompts_for(1))
+    pair = build_random_tiny(seed=1, dtype="float64")
+    want = baseline(1, 4, path, pair)
+    got, m = decode(path, pair, "workload.batch_size=4", f"draft.topk={topk}", "draft.num_steps=4", *alloc)
+    assert got == want
+    assert m["kv_leaked_slots"] == 0
