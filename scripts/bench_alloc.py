@@ -47,11 +47,38 @@ def time_us(alloc, args, tokens: int, pages, iters: int, repeats: int = 5) -> fl
     return statistics.median(best)
 
 
+def prep_step_us(batch: int, ps: int, num_draft_tokens: int, iters: int) -> float:
+    """Host µs of one decode-preparation step: reserve the verify tree's slots, then commit a few
+    accepted tokens and free whole pages past them (what PrepareDecode does every round)."""
+    import numpy as np
+
+    from specpipe.stages.prepare_decode import PrepareDecode
+
+    rng = random.Random(1)
+    alloc = PagedAllocator(64 * 1024 * ps, ps)
+    prep = PrepareDecode(alloc, batch, 4096, torch.device("cpu"))
+    rows = np.asarray([prep.acquire_row() for _ in range(batch)], dtype=np.int64)
+    prep.reserve(rows, np.asarray([rng.randint(1, 1024) for _ in range(batch)], dtype=np.int64))
+    prep.commit(rows, prep.alloc_len[rows].copy())
+    need = np.full(batch, num_draft_tokens, dtype=np.int64)
+    accepted = np.asarray([rng.randint(1, 4) for _ in range(batch)], dtype=np.int64)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        seq = prep.seq_len[rows].copy()
+        prep.reserve(rows, need)
+        prep.commit(rows, seq + accepted)
+        if int(prep.seq_len[rows].max()) > 3000:  # stay inside the table: start the requests over
+            prep.release_rows(rows.tolist())
+            rows = np.asarray([prep.acquire_row() for _ in range(batch)], dtype=np.int64)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4, help="draft steps per request")
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--draft-tokens", type=int, default=8, help="verify tree size for the decode-prep step")
     opt = ap.parse_args()
     torch.set_num_threads(1)
     print(f"PagedAllocator.alloc_extend, page_size={opt.page_size}, steps={opt.steps}, "
@@ -65,6 +92,11 @@ def main() -> None:
         computed = time_us(alloc, args, tokens, None, opt.iters)
         passed = time_us(alloc, args, tokens, n, opt.iters)
         print(f"{batch:>5} | {computed:>11.1f} | {passed:>9.1f} | {computed / passed:>4.2f}x")
+    print(f"\nPrepareDecode step (reserve a {opt.draft_tokens}-node verify tree, commit, free pages), "
+          f"page_size={opt.page_size}")
+    print(f"{'batch':>5} | {'host µs':>8}")
+    for batch in (1, 16, 64):
+        print(f"{batch:>5} | {prep_step_us(batch, opt.page_size, opt.draft_tokens, opt.iters // 4):>8.1f}")
 
 
 if __name__ == "__main__":
