@@ -29,8 +29,8 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
     ]
     for k, v in rows:
         t.add_row(k, v)
-    hm = m["stage_host_ms"]
-    t.add_row("ms per step", ", ".join(f"{k} {v:.2f}" for k, v in hm.items()))
+    sm, mm = m["stage_ms"], m["stage_model_ms"]
+    t.add_row("ms per round (model)", ", ".join(f"{k} {v:.2f} ({mm.get(k, 0.0):.2f})" for k, v in sm.items()))
     con = Console()
     con.print(t)
     if out_dir:

@@ -19,6 +19,7 @@ class DeviceConf:
     _target_: str = "specpipe.devices.cpu.CpuDevice"
     dtype: str = "float32"  # float32 | float64 | bfloat16 | float16
     index: int = 0  # accelerator index (cuda:N / npu:N)
+    num_threads: Optional[int] = None  # torch CPU threads (None: torch's default, one per core)
 
 
 @dataclass

@@ -83,6 +83,8 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"device.dtype={cfg.device.dtype!r} is unknown (valid: {', '.join(DTYPES)})")
     if cfg.model.get("dtype") is not None and cfg.model.dtype not in DTYPES:
         errors.append(f"model.dtype={cfg.model.dtype!r} is unknown (valid: {', '.join(DTYPES)} or null)")
+    if cfg.device.get("num_threads") is not None and cfg.device.num_threads < 1:
+        errors.append(f"device.num_threads={cfg.device.num_threads} must be >= 1 (or null for torch's default)")
     _draft(cfg.draft, errors)
     _compile(cfg, errors)
     w = cfg.workload

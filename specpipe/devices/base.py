@@ -108,9 +108,11 @@ class Device:
     allocator_kernels = "torch"  # which allocator kernels pay on this device
     default_dtype = "float32"
 
-    def __init__(self, dtype: Optional[str] = None, index: int = 0):
+    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None):
         self.dtype = DTYPES[dtype or self.default_dtype]
         self.index = index
+        if num_threads is not None:  # host threads for torch's CPU ops (1 is fastest on a shared machine)
+            torch.set_num_threads(num_threads)
         self.torch_device = self.make_torch_device(index)
 
     def make_torch_device(self, index: int) -> torch.device:

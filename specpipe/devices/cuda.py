@@ -34,9 +34,9 @@ class CudaDevice(Device):
     allocator_kernels = "triton"
     default_dtype = "bfloat16"
 
-    def __init__(self, dtype: Optional[str] = None, index: int = 0):
+    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None):
         check_cuda(index)
-        super().__init__(dtype, index)
+        super().__init__(dtype, index, num_threads)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
