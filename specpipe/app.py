@@ -50,8 +50,25 @@ def make_wrap(cfg: DictConfig, device):
     return wrap
 
 
-def build_allocator(cfg: DictConfig, device):
+def workload_slots(cfg: DictConfig, reqs: list[Request]) -> int:
+    """A pool for `batch_size` of the longest requests at full length, plus one round's tree and draft space.
+
+    Sizing it from the workload (rather than a fixed large pool) keeps KV memory and the pool's
+    set-up time proportional to what the run can use; set allocator.num_slots to override.
+    """
+    d, w, ps = cfg.draft, cfg.workload, cfg.allocator.page_size
+    live = [len(r.prompt_ids) for r in reqs if not r.finished] or [1]
+    longest = max(live)
+    per_request = longest + w.max_new_tokens + d.num_draft_tokens + 2 * ps
+    batch = min(w.batch_size, len(live))
+    scratch = batch * d.topk * max(1, d.num_steps) + ps
+    return -(-(batch * per_request + scratch) // ps) * ps
+
+
+def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
     kwargs = {"device": device.torch_device}
+    if cfg.allocator.num_slots is None:
+        kwargs["num_slots"] = num_slots
     target = cfg.allocator._target_
     from hydra.utils import get_method
     params = inspect.signature(get_method(target)).parameters
@@ -173,14 +190,14 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                                              or getattr(pair, "standalone_source", None) != cfg.draft.path):
         load_standalone(cfg, pair, dtype, device)
         pair.standalone_source = cfg.draft.path
-    allocator = build_allocator(cfg, device)
+    reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
+                         pair.target.config.max_position_embeddings, pair.target.config.vocab_size)
+    allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
     pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
     if pair.draft is not None:
         pair.draft.setup_kv(allocator.pool_slots)
     if getattr(pair, "standalone", None) is not None:
         pair.standalone.setup_kv(allocator.pool_slots)
-    reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
-                         pair.target.config.max_position_embeddings, pair.target.config.vocab_size)
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else cfg.seed
     for r, it in zip(reqs, items):
         r.seed = request_seed(base_seed, r.index, it.get("seed"))

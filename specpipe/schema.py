@@ -41,7 +41,7 @@ class NpuDeviceConf(DeviceConf):
 @dataclass
 class AllocatorConf:
     _target_: str = MISSING
-    num_slots: int = 32768  # usable KV slots shared by all running requests
+    num_slots: Optional[int] = None  # usable KV slots shared by all running requests (None: sized for the workload)
     page_size: int = 1
     debug: bool = False  # verify caller-passed page counts (slower)
 

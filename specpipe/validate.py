@@ -103,9 +103,9 @@ def validate(cfg: DictConfig) -> None:
     ps = a.page_size
     if ps < 1 or ps & (ps - 1):
         errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, ..., 64)")
-    elif a.num_slots < 1:
-        errors.append(f"allocator.num_slots={a.num_slots} must be positive")
-    else:
+    elif a.num_slots is not None and a.num_slots < 1:
+        errors.append(f"allocator.num_slots={a.num_slots} must be positive (or null: sized for the workload)")
+    elif a.num_slots is not None:
         need = one_request_slots(cfg)
         if a.num_slots < need:
             errors.append(f"allocator.num_slots={a.num_slots} is smaller than one request needs ({need} slots for "
