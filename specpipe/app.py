@@ -20,7 +20,7 @@ from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
 from specpipe.stages.prepare_decode import target_kv_layout
 from specpipe.spec_pipeline import SpecPipeline
-from specpipe.validate import to_container, validate
+from specpipe.validate import one_request_slots, to_container, validate
 from specpipe.workload import load_prompts
 
 
@@ -51,18 +51,16 @@ def make_wrap(cfg: DictConfig, device):
 
 
 def workload_slots(cfg: DictConfig, reqs: list[Request]) -> int:
-    """A pool for `batch_size` of the longest requests at full length, plus one round's tree and draft space.
+    """A pool for `batch_size` of the longest requests at full length (prompt plus what
+    `validate.one_request_slots` reserves for new tokens, one verify tree and draft scratch).
 
     Sizing it from the workload (rather than a fixed large pool) keeps KV memory and the pool's
     set-up time proportional to what the run can use; set allocator.num_slots to override.
     """
-    d, w, ps = cfg.draft, cfg.workload, cfg.allocator.page_size
+    ps = cfg.allocator.page_size
     live = [len(r.prompt_ids) for r in reqs if not r.finished] or [1]
-    longest = max(live)
-    per_request = longest + w.max_new_tokens + d.num_draft_tokens + 2 * ps
-    batch = min(w.batch_size, len(live))
-    scratch = batch * d.topk * max(1, d.num_steps) + ps
-    return -(-(batch * per_request + scratch) // ps) * ps
+    batch = min(cfg.workload.batch_size, len(live))
+    return batch * (-(-max(live) // ps) * ps + one_request_slots(cfg))
 
 
 def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):

@@ -92,9 +92,7 @@ class Pipeline:
         while self.reqs and not self.step_fits(self.rows):
             r = self.reqs[-1]
             if len(self.reqs) == 1:
-                r.finish_reason = "error"
-                r.error = (f"the KV pool ({self.prep.alloc.size} slots) cannot hold this request's "
-                           f"{len(r.context_ids) + self.growth} tokens; raise allocator.num_slots")
+                self.fail_too_big(r)
                 self.drop_finished()
                 break
             r.retractions += 1
@@ -117,6 +115,11 @@ class Pipeline:
 
     def fail(self, req: Request, message: str) -> None:
         req.finish_reason, req.error = "error", message
+
+    def fail_too_big(self, req: Request) -> None:
+        """The request cannot fit even alone: it fails, the run goes on."""
+        self.fail(req, f"the KV pool ({self.prep.alloc.size} slots) cannot hold this request's "
+                       f"{len(req.context_ids) + self.growth} tokens; raise allocator.num_slots")
 
     # ---- host-side token bookkeeping ---------------------------------------------------
     def append_tokens(self, req: Request, tokens: list) -> int:

@@ -15,7 +15,7 @@ from specpipe.drafters.ngram import NgramDrafter
 from specpipe.models.attention_batch import extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket
 from specpipe.stages.build_tree import BuildTree, Tree
-from specpipe.stages.draft_forward import DraftForward, draft_decode_batch
+from specpipe.stages.draft_forward import advance_visibility, DraftForward, draft_decode_batch
 from specpipe.stages.draft_topk import DraftTopK
 
 
@@ -68,13 +68,10 @@ class EagleProposer:
         prefix_slots = prep.slots(rows_t, torch.zeros_like(L_t), Lp)
         prefix_valid = torch.arange(Lp, device=dev)[None, :] < L_t[:, None]
         anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
-        kk = torch.arange(K, device=dev)
         ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
         blocks = [blk]
         for i in range(S - 1):
-            if i > 0:  # each new branch inherits its parent branch's visible draft tokens
-                anc = anc.gather(1, pb[:, :, None].expand(-1, -1, anc.shape[2]))
-            anc[:, kk, i * K + kk] = True
+            anc = advance_visibility(anc, pb, i)
             batch = prep.decorate(draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t))
             tp, ti, hout = self.draft_fwd.decode(ids.view(B, K), hid.view(B, K, -1), batch)
             ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
@@ -89,7 +86,7 @@ class EagleProposer:
         H = vhidden.shape[-1]
         hid = vhidden.gather(1, accept_index.clamp(min=0)[:, :, None].expand(-1, -1, H))[u]  # [B', S+1, H]
         ids, lens, starts = commit[u], kept_t[u], L_t[u]
-        Lmax = int((starts + lens).max())
+        Lmax = int(pipe.prep.seq_len[pipe.rows].max())  # host lengths, already committed: no device read
         batch = pipe.prep.decorate(extend_batch(pipe.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax)))
         p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
         self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h

@@ -75,9 +75,6 @@ def admit_some(pipe: Pipeline, group: list[Request]) -> int:
     while n > 0 and not pipe.admit(group[:n]):
         n -= 1
     if n == 0 and not pipe.reqs:
-        r = group[0]
-        r.finish_reason = "error"
-        r.error = (f"the KV pool ({pipe.prep.alloc.size} slots) cannot hold this request "
-                   f"({len(r.context_ids)} tokens plus one decode step); raise allocator.num_slots")
+        pipe.fail_too_big(group[0])
         return 1
     return n

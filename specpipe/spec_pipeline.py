@@ -108,8 +108,10 @@ class SpecPipeline(Pipeline):
             d = torch.arange(S + 1, device=self.dev)
             src = vbatch.out_slots.gather(1, accept_index.clamp(min=0))  # [B, S+1] slots of accepted nodes
             tgt = vbatch.out_slots.gather(1, d.clamp(max=N - 1).expand(B, S + 1))  # contiguous positions
+            # entries that need no move copy a slot onto itself, so the copy has a fixed size (no
+            # boolean indexing, which would read the mask back to the host on an accelerator)
             move = (d[None, :] < kept_t[:, None]) & (src != tgt)
-            self.prep.move_kv(self.target.kv, tgt[move], src[move])
+            self.prep.move_kv(self.target.kv, torch.where(move, tgt, src).reshape(-1), src.reshape(-1))
             unfinished = np.asarray([not r.finished for r in self.reqs])
             self.prep.commit(self.rows[unfinished], (L + kept)[unfinished])
             self.prep.after_commit(self.rows[unfinished])

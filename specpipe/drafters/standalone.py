@@ -27,7 +27,7 @@ from torch import Tensor
 from specpipe.models.attention_batch import AttentionBatch, extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket
 from specpipe.stages.base import Stage, branch
-from specpipe.stages.draft_forward import draft_decode_batch, top_k
+from specpipe.stages.draft_forward import advance_visibility, draft_decode_batch, top_k
 from specpipe.stages.draft_topk import DraftTopK
 from specpipe.stages.verify_sampling import STREAM_DRAFT, process_logits, sample_tokens, uniform_coins
 
@@ -114,11 +114,8 @@ class StandaloneDrafter(Stage):
         ids, hid, scores, pb, blk = self.topk_stage(0, tp, ti, hid, None)
         blocks = [blk]
         anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
-        kk = torch.arange(K, device=dev)
         for i in range(S - 1):
-            if i > 0:  # each new branch inherits its parent branch's visible draft tokens
-                anc = anc.gather(1, pb[:, :, None].expand(-1, -1, anc.shape[2]))
-            anc[:, kk, i * K + kk] = True
+            anc = advance_visibility(anc, pb, i)
             batch = draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t + 1)
             tp, ti, q = self._select(self.decode_logits(ids.view(B, K), batch), sampling, i + 1, L_t)
             qs.append(q)

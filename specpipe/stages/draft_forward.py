@@ -38,6 +38,17 @@ class DraftForward(Stage):
         return p, idx, h_last
 
 
+def advance_visibility(anc: Tensor, parent_branch: Tensor, step: int) -> Tensor:
+    """anc [B, K, (S-1)*K]: which draft columns each branch sees. Before step `step`, each branch
+    inherits its parent branch's row (parent_branch [B, K], unused at step 0) and sees itself."""
+    K = anc.shape[1]
+    if step > 0:
+        anc = anc.gather(1, parent_branch[:, :, None].expand(-1, -1, anc.shape[2]))
+    kk = torch.arange(K, device=anc.device)
+    anc[:, kk, step * K + kk] = True
+    return anc
+
+
 def draft_decode_batch(prefix_slots: Tensor, prefix_valid: Tensor, scratch: Tensor, anc: Tensor,
                        step: int, seq_lens: Tensor) -> AttentionBatch:
     """Attention for draft step `step`: each branch sees the prefix and its own ancestors' draft tokens.

@@ -213,3 +213,18 @@ def test_npu_compile_and_graph_use_torchair(stub_npu, monkeypatch):
     assert calls[-1] == {"backend": "torchair[reduce-overhead]", "dynamic": False}
     with pytest.raises(ConfigError, match="torchair, not inductor"):
         d.compile(double, parse_policy("compile(backend=inductor)"))
+
+
+def test_cpu_device_sets_torch_threads_when_asked():
+    import torch
+
+    from specpipe.devices.cpu import CpuDevice
+
+    before = torch.get_num_threads()
+    try:
+        CpuDevice("float32", num_threads=2)
+        assert torch.get_num_threads() == 2
+        CpuDevice("float32")  # None leaves torch's setting alone
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
