@@ -15,7 +15,7 @@ from specpipe.drafters.ngram import NgramDrafter
 from specpipe.models.attention_batch import extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket
 from specpipe.stages.build_tree import BuildTree, Tree
-from specpipe.stages.draft_forward import advance_visibility, DraftForward, draft_decode_batch
+from specpipe.stages.draft_forward import advance_visibility, DraftForward
 from specpipe.stages.draft_topk import DraftTopK
 
 
@@ -53,30 +53,28 @@ class EagleProposer:
         self.topk_p, self.topk_index = self.topk_p[keep_t], self.topk_index[keep_t]
         self.draft_hidden = self.draft_hidden[keep_t]
 
-    def scratch_tokens(self, batch_size: int) -> int:
-        return batch_size * self.K * (self.S - 1)
+    @property
+    def scratch_width(self) -> int:
+        return self.S - 1  # draft columns per branch that need KV (step 0 reuses the extend's top-k)
 
     def propose(self, pipe, rows_t, L, L_t):
         B, K, S = len(pipe.reqs), self.K, self.S
-        prep, dev = pipe.prep, pipe.dev
-        sc = prep.scratch(B * K * (S - 1))
+        prep, dev, kv = pipe.prep, pipe.dev, self.head.kv
+        sc = prep.draft_scratch(pipe.rows, rows_t, L, L_t, K, S - 1)
         if sc is None:
             raise OutOfKVMemory("KV pool exhausted while drafting")
-        scratch_slots, state = sc
-        scratch = scratch_slots.view(B, S - 1, K)
-        Lp = bucket(L.max())
-        prefix_slots = prep.slots(rows_t, torch.zeros_like(L_t), Lp)
-        prefix_valid = torch.arange(Lp, device=dev)[None, :] < L_t[:, None]
+        sc.begin(prep, kv)
         anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
         ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
         blocks = [blk]
         for i in range(S - 1):
             anc = advance_visibility(anc, pb, i)
-            batch = prep.decorate(draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t))
+            sc.follow(prep, kv, pb, i)
+            batch = prep.decorate(sc.step_batch(i, anc))
             tp, ti, hout = self.draft_fwd.decode(ids.view(B, K), hid.view(B, K, -1), batch)
             ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
             blocks.append(blk)
-        prep.end_scratch(state)
+        prep.end_scratch(sc.state)
         s_l, t_l, p_l = (list(x) for x in zip(*blocks))
         self.bad = non_finite(s_l, B)
         return self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t), None
@@ -98,6 +96,7 @@ class NgramProposer:
     def __init__(self, topk: int, num_steps: int, num_draft_tokens: int, min_n: int, max_n: int,
                  max_requests: int, max_context: int, device):
         self.drafter = NgramDrafter(num_steps, topk, num_draft_tokens, min_n, max_n)
+        self.K = topk
         self.bad = None
         self.S = num_steps
         self.tokens = torch.zeros((max_requests, max_context + num_steps + 2), dtype=torch.int64,
@@ -113,8 +112,7 @@ class NgramProposer:
     def keep(self, keep_t) -> None:
         pass
 
-    def scratch_tokens(self, batch_size: int) -> int:
-        return 0
+    scratch_width = 0  # no model, no draft KV
 
     def propose(self, pipe, rows_t, L, L_t):
         width = int(L.max()) + 1
@@ -134,6 +132,7 @@ class StandaloneProposer:
 
     def __init__(self, drafter, sampled_chain: bool):
         self.sd = drafter
+        self.K = drafter.K
         self.sampled_chain = sampled_chain
         self.bad = None
         self.S = drafter.S
@@ -146,13 +145,14 @@ class StandaloneProposer:
     def keep(self, keep_t) -> None:
         pass
 
-    def scratch_tokens(self, batch_size: int) -> int:
-        return batch_size * (1 + self.sd.K * (self.S - 1))
+    @property
+    def scratch_width(self) -> int:
+        return self.S  # the root column and S-1 tree steps
 
     def propose(self, pipe, rows_t, L, L_t):
         s = pipe.sampling
         sampling = (s.temperature, s.top_p, s.top_k, s.seed) if self.sampled_chain else None
-        blocks, draft_probs = self.sd.draft(pipe.prep, rows_t, L, L_t, pipe.last_token, sampling=sampling)
+        blocks, draft_probs = self.sd.draft(pipe.prep, pipe.rows, rows_t, L, L_t, pipe.last_token, sampling=sampling)
         s_l, t_l, p_l = (list(x) for x in zip(*blocks))
         self.bad = non_finite(s_l, len(pipe.reqs))
         tree: Tree = self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t)

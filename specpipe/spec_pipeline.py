@@ -11,6 +11,7 @@ import torch
 
 from specpipe.models.attention_batch import AttentionBatch
 from specpipe.pipeline import OutOfKVMemory, Pipeline, bucket
+from specpipe.stages.draft_scratch import scratch_tokens_per_request
 from specpipe.stages.verify import Verify
 from specpipe.stages.verify_sampling import VerifySampling
 
@@ -38,7 +39,8 @@ class SpecPipeline(Pipeline):
         self.proposer.keep(keep_t)
 
     def scratch_tokens(self, batch_size: int) -> int:
-        return self.proposer.scratch_tokens(batch_size)
+        per_request = scratch_tokens_per_request(self.prep.ps, self.proposer.K, self.proposer.scratch_width)
+        return batch_size * per_request
 
     def verify_batch(self, tree, rows_t, L, L_t) -> AttentionBatch:
         """Prefix fully visible plus the tree mask; tree node j sits at table position L_b + j."""

@@ -135,8 +135,11 @@ def validate(cfg: DictConfig) -> None:
 
 def one_request_slots(cfg) -> int:
     """KV slots one request needs beyond its prompt: its new tokens, one verify tree and draft scratch."""
+    from specpipe.stages.draft_scratch import scratch_tokens_per_request
+
     d, ps = cfg.draft, cfg.allocator.page_size
-    extra = 2 if d.method == "none" else d.num_draft_tokens + d.topk * max(0, d.num_steps - 1)
+    width = {"eagle": d.num_steps - 1, "standalone": d.num_steps}.get(d.method, 0)  # draft KV columns per branch
+    extra = 2 if d.method == "none" else d.num_draft_tokens + scratch_tokens_per_request(ps, d.topk, width)
     tokens = cfg.workload.max_new_tokens + extra
     return (-(-tokens // ps) + 2) * ps
 

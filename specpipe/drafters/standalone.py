@@ -27,7 +27,7 @@ from torch import Tensor
 from specpipe.models.attention_batch import AttentionBatch, extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket
 from specpipe.stages.base import Stage, branch
-from specpipe.stages.draft_forward import advance_visibility, draft_decode_batch, top_k
+from specpipe.stages.draft_forward import advance_visibility, top_k
 from specpipe.stages.draft_topk import DraftTopK
 from specpipe.stages.verify_sampling import STREAM_DRAFT, process_logits, sample_tokens, uniform_coins
 
@@ -85,8 +85,8 @@ class StandaloneDrafter(Stage):
         tok = sample_tokens(q, u)[:, None]
         return q.gather(1, tok), tok, q
 
-    def draft(self, prep, rows_t: Tensor, L: np.ndarray, L_t: Tensor, root: Tensor, sampling=None):
-        """One draft round. rows_t [B] table rows, L host seq lens, L_t [B] seq lens, root [B].
+    def draft(self, prep, rows: np.ndarray, rows_t: Tensor, L: np.ndarray, L_t: Tensor, root: Tensor, sampling=None):
+        """One draft round. rows (host) / rows_t [B] table rows, L host seq lens, L_t [B] seq lens, root [B].
 
         sampling: None (deterministic top-K tree) or (temperature [B], top_p [B], top_k [B], seed [B])
         for a sampled chain (topk must be 1). Returns (blocks, draft_probs): blocks = per-step
@@ -95,20 +95,20 @@ class StandaloneDrafter(Stage):
         B, K, S = root.shape[0], self.K, self.S
         if sampling is not None and K != 1:
             raise ValueError("sampled drafting (for rejection sampling) needs topk=1")
-        dev = root.device
-        sc = prep.scratch(B * (1 + K * (S - 1)))
+        dev, kv = root.device, self.model.kv
+        sc = prep.draft_scratch(rows, rows_t, L, L_t, K, S, root=True)
         if sc is None:
             raise OutOfKVMemory("KV pool exhausted while drafting")
-        slots, state = sc
-        root_slot, scratch = slots[:B], slots[B:].view(B, S - 1, K)
+        root_slot = sc.root_slots()  # [B]
         Lp = bucket(int(L.max()) + 1)
         ar = torch.arange(Lp, device=dev)
-        # the root's scratch slot stands in for table position L in the prefix
+        # the root's slot stands in for table position L in the prefix
         prefix_slots = prep.slots(rows_t, torch.zeros_like(L_t), Lp).scatter(1, L_t[:, None], root_slot[:, None])
         prefix_valid = ar[None, :] <= L_t[:, None]  # [B, Lp]
         batch = AttentionBatch(L_t[:, None], root_slot[:, None], prefix_slots, prefix_valid[:, None, :],
                                ar.expand(B, Lp))
         tp, ti, q = self._select(self.root_logits(root[:, None], batch), sampling, 0, L_t)
+        sc.begin(prep, kv)  # page-aligned regions: every branch gets the prefix's partial page and the root
         qs = [q]
         hid = torch.zeros((B, 0), device=dev)  # no hidden states: DraftTopK just carries an empty width
         ids, hid, scores, pb, blk = self.topk_stage(0, tp, ti, hid, None)
@@ -116,12 +116,12 @@ class StandaloneDrafter(Stage):
         anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
         for i in range(S - 1):
             anc = advance_visibility(anc, pb, i)
-            batch = draft_decode_batch(prefix_slots, prefix_valid, scratch, anc, i, L_t + 1)
-            tp, ti, q = self._select(self.decode_logits(ids.view(B, K), batch), sampling, i + 1, L_t)
+            sc.follow(prep, kv, pb, i)
+            tp, ti, q = self._select(self.decode_logits(ids.view(B, K), sc.step_batch(i, anc)), sampling, i + 1, L_t)
             qs.append(q)
             ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hid, scores)
             blocks.append(blk)
-        prep.end_scratch(state)
+        prep.end_scratch(sc.state)
         if sampling is None:
             return blocks, None
         # chain: node j (depth j) is followed by the token sampled from q_j

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from specpipe.errors import ConfigError
 from specpipe.stages.base import Stage
+from specpipe.stages.draft_scratch import BranchRegions, FlatScratch, branch_region_slots
 from specpipe.stages.hot_buffers import HotBufferBook
 
 
@@ -90,11 +91,7 @@ class PrepareDecode(Stage):
         r_t = torch.from_numpy(r).to(self.device)
         c_t = torch.from_numpy(c).to(self.device)
         last_loc = torch.where(c_t > 0, self.table[r_t, (c_t - 1).clamp(min=0)], torch.full_like(c_t, -1))
-        alloc = self.alloc.alloc_extend
-        if self.hot is not None and self.hot.ready:  # rows read through hot buffers: host (logical) ids only
-            self.hot.ensure(r)
-            alloc = self.alloc.alloc_logical_only
-        slots = alloc(c_t, torch.from_numpy(n).to(self.device), last_loc,
+        slots = self._extend(r)(c_t, torch.from_numpy(n).to(self.device), last_loc,
                       num_new_pages=pages, extend_num_tokens=int((n - c).sum()))
         if slots is None:
             return False
@@ -106,19 +103,58 @@ class PrepareDecode(Stage):
             self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
         return True
 
+    def _extend(self, rows: np.ndarray):
+        """The allocator's extend for these rows: once hot buffers exist (hisparse), logical ids only."""
+        if self.hot is not None and self.hot.ready:  # rows read through hot buffers: host (logical) ids only
+            self.hot.ensure(rows)
+            return self.alloc.alloc_logical_only
+        return self.alloc.alloc_extend
+
     def slots(self, rows_t: Tensor, starts: Tensor, width: int) -> Tensor:
         """[B, width] slots of positions starts_b + [0, width)."""
         cols = starts[:, None] + torch.arange(width, device=self.device)
         return self.table[rows_t[:, None], cols.clamp(max=self.max_context - 1)]
 
-    def scratch(self, n: int):
-        """n throw-away slots (draft KV) and the allocator state to restore afterwards, or None on OOM."""
+    def draft_scratch(self, rows: np.ndarray, rows_t: Tensor, L: np.ndarray, L_t: Tensor, topk: int, width: int, root: bool = False):
+        """Throw-away slots for one draft round of `width` columns per branch, or None on OOM.
+
+        Page size 1: a flat block (`FlatScratch`); larger pages: page-aligned per-branch regions with
+        the prefix's partial page mirrored (`BranchRegions`). With ``root``, column 0 is a token shared
+        by every branch (a standalone draft's root at position L), and the tree starts at column 1.
+        The allocator state is saved first; `end_scratch(sc.state)` hands every slot back.
+        """
+        from specpipe.pipeline import bucket  # (pipeline imports this module)
+
+        ps, B, dev = self.ps, len(L), self.device
+        extend = self._extend(rows) if ps > 1 else None  # before the backup: hot buffers are not scratch
         state = self.alloc.backup_state()
-        ps = self.ps
-        slots = self.alloc.alloc(-(-n // ps) * ps) if n else torch.empty(0, dtype=torch.int64, device=self.device)
+        if ps == 1:
+            n = B * width * topk
+            slots = self.alloc.alloc(n) if n else torch.empty(0, dtype=torch.int64, device=dev)
+            if slots is None:
+                return None
+            Lp = bucket(int(L.max()) + (1 if root else 0))
+            prefix = self.slots(rows_t, torch.zeros_like(L_t), Lp)
+            cols = slots.view(B, width, topk)
+            ar = torch.arange(Lp, device=dev)
+            if root:  # the root's slot stands in for table position L
+                prefix = prefix.scatter(1, L_t[:, None], cols[:, 0, :1])
+            valid = ar[None, :] < (L_t + (1 if root else 0))[:, None]
+            return FlatScratch(cols, prefix, valid, L_t + (1 if root else 0), int(root), state)
+        last = L % ps
+        base = L - last
+        P = -(-(last + width) // ps)  # pages per branch
+        end = base + topk * P * ps  # virtual end of the last branch's region
+        pages = int((topk * P - (last > 0)).sum())  # closed form: Σ ceil(end/ps) - ceil(L/ps)
+        last_loc = torch.where(L_t > 0, self.table[rows_t, (L_t - 1).clamp(min=0)], torch.full_like(L_t, -1))
+        slots = extend(L_t, torch.from_numpy(end).to(dev), last_loc, num_new_pages=pages,
+                       extend_num_tokens=int((end - L).sum()))
         if slots is None:
             return None
-        return slots[:n], state
+        region = branch_region_slots(self.table, rows_t, L, slots, topk, P, ps)
+        prefix = self.slots(rows_t, torch.zeros_like(L_t), bucket(int(base.max())))
+        return BranchRegions(region, torch.from_numpy(last).to(dev), torch.from_numpy(base).to(dev), prefix,
+                             int(root), state)
 
     def end_scratch(self, state) -> None:
         self.alloc.restore_state(state)

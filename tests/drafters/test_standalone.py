@@ -72,7 +72,7 @@ class Harness:
         L = self.prep.seq_len[self.rows].copy()
         root = torch.tensor([c[-1] for c in self.ctx])
         with torch.no_grad():
-            return self.drafter.draft(self.prep, self.rows_t, L, torch.from_numpy(L), root, sampling)
+            return self.drafter.draft(self.prep, self.rows, self.rows_t, L, torch.from_numpy(L), root, sampling)
 
     def commit(self, drafts, accepted, bonus):
         """Commit the root plus `accepted` drafts per request; `bonus` becomes the next root."""

@@ -1,0 +1,155 @@
+"""Where draft-tree KV lives during one draft round: throw-away slots, handed back before verify.
+
+Two layouts, chosen by the allocator's page size (``PrepareDecode.draft_scratch``):
+
+``FlatScratch`` (page_size 1): B*W*K slots anywhere in the pool. Every branch's attention reads all
+  draft columns of its request and the ancestry mask picks its own path, so nothing is copied.
+
+``BranchRegions`` (page_size > 1): each request's draft tokens sit at page-aligned *virtual
+  positions* after its prefix, as a page-table attention kernel needs them (slot % ps == pos % ps):
+  with ``last = L % ps`` and ``P = ceil((last + W) / ps)`` pages per branch, branch k owns positions
+  ``floor(L/ps)*ps + k*P*ps + [0, P*ps)``; column c of the branch (draft step c) sits at offset
+  ``last + c``. Branch 0 continues the prefix's real partial last page; branches 1..K-1 get a copy
+  of it (the mirror, sglang's ``move_kv_cache``), so each branch reads exactly "the prefix's whole
+  pages + its own pages". One ``alloc_extend`` with ``num_new_pages = Σ (K*P - [last > 0])`` (closed
+  form, host ints) reserves every region at once.
+
+  Unlike sglang, whose branch b reads its own region even after re-ranking moved b onto another
+  parent's subtree (its draft attention is ancestry-approximate), :meth:`BranchRegions.follow`
+  copies the parent branch's columns into each branch before a step, so a branch's region always
+  holds its exact path and the draft tree equals the page-size-1 tree token for token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specpipe.models.attention_batch import AttentionBatch
+from specpipe.stages.draft_forward import draft_decode_batch
+
+
+def scratch_tokens_per_request(page_size: int, topk: int, width: int) -> int:
+    """Worst-case draft slots one request borrows per round (W columns per branch, K branches)."""
+    if width <= 0:
+        return 0
+    if page_size == 1:
+        return topk * width
+    return topk * (-(-(page_size - 1 + width) // page_size)) * page_size
+
+
+@dataclass
+class FlatScratch:
+    """Page size 1: columns [B, W, K] of slots; branches are told apart by the ancestry mask."""
+
+    cols: Tensor  # [B, W, K] slot of draft column c, branch k
+    prefix_slots: Tensor  # [B, Lp] the prefix (and the root, for drafters that have one)
+    prefix_valid: Tensor  # [B, Lp]
+    seq_lens: Tensor  # [B] position of tree column `first` (the first step after the root)
+    first: int  # 1 when column 0 holds a root token shared by every branch, else 0
+    state: object  # allocator state to restore after the round
+
+    def root_slots(self) -> Tensor:
+        return self.cols[:, 0, 0]
+
+    def begin(self, prep, kv) -> None:
+        """Nothing to mirror: every branch reads the prefix through the shared table."""
+
+    def follow(self, prep, kv, parent_branch: Tensor, step: int) -> None:
+        """Nothing to copy: the ancestry mask already selects each branch's path."""
+
+    def step_batch(self, step: int, anc: Tensor) -> AttentionBatch:
+        return draft_decode_batch(self.prefix_slots, self.prefix_valid, self.cols[:, self.first:], anc, step,
+                                  self.seq_lens)
+
+
+@dataclass
+class BranchRegions:
+    """Page size > 1: one page-aligned region per (request, branch); see the module docstring."""
+
+    region: Tensor  # [B, K, R] slots (R = max pages per branch * ps; 0 = padding past P_b*ps)
+    last: Tensor  # [B] L % ps: offset of column 0 inside each region
+    base: Tensor  # [B] floor(L/ps)*ps: virtual position of offset 0
+    prefix_slots: Tensor  # [B, Lb] table slots of positions [0, Lb) (only < base are read)
+    first: int  # columns before the tree (1: a root shared by every branch)
+    state: object
+
+    def _column(self, col: Tensor) -> Tensor:
+        """[B, K] slots at region offset col [B]."""
+        B, K, _ = self.region.shape
+        return self.region.gather(2, col[:, None, None].expand(B, K, 1))[..., 0]
+
+    def root_slots(self) -> Tensor:
+        return self._column(self.last)[:, 0]
+
+    def _copy(self, prep, kv, src_branch: Tensor, lo: Tensor, hi: Tensor) -> None:
+        """region[b, k, j] <- region[b, src_branch[b, k], j] for j in [lo_b, hi_b), in the draft pool.
+
+        Fixed size (B*K*R pairs): entries outside the range copy a slot onto itself, so no boolean
+        indexing (and no device->host read) is needed.
+        """
+        B, K, R = self.region.shape
+        j = torch.arange(R, device=self.region.device)
+        src = self.region.gather(1, src_branch[:, :, None].expand(B, K, R))
+        inside = (j >= lo[:, None, None]) & (j < hi[:, None, None])
+        prep.move_kv(kv, self.region.reshape(-1), torch.where(inside, src, self.region).reshape(-1))
+
+    def begin(self, prep, kv) -> None:
+        """Mirror the prefix's partial last page (and the root) from branch 0 into every branch."""
+        B, K, _ = self.region.shape
+        if K > 1:
+            zero = torch.zeros((B, K), dtype=torch.int64, device=self.region.device)
+            self._copy(prep, kv, zero, torch.zeros_like(self.last), self.last + self.first)
+
+    def follow(self, prep, kv, parent_branch: Tensor, step: int) -> None:
+        """Before tree step `step` (>= 1): each branch takes its parent's draft columns [0, step)."""
+        if self.region.shape[1] > 1 and step > 0:
+            lo = self.last + self.first
+            self._copy(prep, kv, parent_branch, lo, lo + step)
+
+    def step_batch(self, step: int, anc: Optional[Tensor] = None) -> AttentionBatch:
+        """Tree step `step`: branch k reads the prefix's whole pages and its own region up to itself."""
+        B, K, R = self.region.shape
+        dev = self.region.device
+        col = self.last + self.first + step  # [B] region offset written this step
+        Lb = self.prefix_slots.shape[1]
+        kv_slots = torch.cat([self.prefix_slots, self.region.reshape(B, K * R)], 1)  # [B, Lb + K*R]
+        cb = torch.arange(Lb, device=dev)
+        j = torch.arange(R, device=dev)
+        pre = (cb[None, :] < self.base[:, None])[:, None, :].expand(B, K, Lb)
+        own = torch.eye(K, dtype=torch.bool, device=dev)  # [K, K]: branch k reads region k only
+        upto = j[None, :] <= col[:, None]  # [B, R]
+        reg = own[None, :, :, None] & upto[:, None, None, :]  # [B, K, K, R]
+        mask = torch.cat([pre, reg.reshape(B, K, K * R)], 2)
+        kv_pos = torch.cat([cb.expand(B, Lb), (self.base[:, None] + j[None, :]).repeat(1, K)], 1)
+        positions = (self.base + col)[:, None].expand(B, K)
+        return AttentionBatch(positions, self._column(col), kv_slots, mask, kv_pos)
+
+
+def branch_region_slots(table: Tensor, rows_t: Tensor, L: np.ndarray, slots: Tensor, K: int, P: np.ndarray,
+                        ps: int) -> Tensor:
+    """[B, K, Pmax*ps] slots of every branch region from one alloc_extend's output.
+
+    ``slots`` holds positions [L_b, base_b + K*P_b*ps) request-major; region offsets below ``last``
+    in branch 0 are the prefix's own partial page (table positions [base_b, L_b)).
+    """
+    dev = table.device
+    B = len(L)
+    last = L % ps
+    base = L - last
+    R = int(P.max()) * ps
+    k = np.arange(K)[None, :, None]
+    j = np.arange(R)[None, None, :]
+    v = base[:, None, None] + k * (P[:, None, None] * ps) + j  # [B, K, R] virtual position
+    valid = j < P[:, None, None] * ps
+    starts = np.cumsum(base + K * P * ps - L) - (base + K * P * ps - L)  # offset of each request in `slots`
+    in_prefix = v < L[:, None, None]
+    idx = np.where(valid & ~in_prefix, starts[:, None, None] + v - L[:, None, None], 0)
+    from_new = slots[torch.from_numpy(idx.reshape(-1)).to(dev)].view(B, K, R)
+    col = torch.from_numpy(np.where(in_prefix, v, 0).reshape(B, -1)).to(dev)
+    from_table = table[rows_t[:, None], col].view(B, K, R)
+    out = torch.where(torch.from_numpy(in_prefix).to(dev), from_table, from_new)
+    return torch.where(torch.from_numpy(valid).to(dev), out, torch.zeros_like(out))
