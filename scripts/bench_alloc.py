@@ -73,6 +73,37 @@ def prep_step_us(batch: int, ps: int, num_draft_tokens: int, iters: int) -> floa
     return (time.perf_counter() - t0) / iters * 1e6
 
 
+def draft_scratch_us(batch: int, ps: int, topk: int, width: int, iters: int) -> float:
+    """Host µs of one round's draft scratch: reserve, mirror, follow per step, build each step's
+    attention batch, hand back (flat slots at page size 1, page-aligned branch regions above)."""
+    import numpy as np
+
+    from specpipe.allocators import TokenAllocator
+    from specpipe.models.attention import KVPool
+    from specpipe.stages.prepare_decode import PrepareDecode
+
+    rng = random.Random(2)
+    alloc = TokenAllocator(64 * 1024) if ps == 1 else PagedAllocator(64 * 1024, ps)
+    prep = PrepareDecode(alloc, batch, 2048, torch.device("cpu"))
+    pool = KVPool(1, alloc.pool_slots, 2, 64, torch.float32)  # one draft layer, like an EAGLE head
+    rows = np.asarray([prep.acquire_row() for _ in range(batch)], dtype=np.int64)
+    L = np.asarray([rng.randint(1, 1000) for _ in range(batch)], dtype=np.int64)
+    prep.reserve(rows, L)
+    prep.commit(rows, L)
+    rows_t, L_t = torch.from_numpy(rows), torch.from_numpy(L)
+    anc = torch.ones((batch, topk, width * topk), dtype=torch.bool)
+    parent = torch.zeros((batch, topk), dtype=torch.int64)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        sc = prep.draft_scratch(rows, rows_t, L, L_t, topk, width)
+        sc.begin(prep, pool)
+        for i in range(width):
+            sc.follow(prep, pool, parent, i)
+            sc.step_batch(i, anc)
+        prep.end_scratch(sc.state)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-size", type=int, default=16)
@@ -97,6 +128,14 @@ def main() -> None:
     print(f"{'batch':>5} | {'host µs':>8}")
     for batch in (1, 16, 64):
         print(f"{batch:>5} | {prep_step_us(batch, opt.page_size, opt.draft_tokens, opt.iters // 4):>8.1f}")
+    w = opt.steps - 1
+    print(f"\nDraft scratch per round (topk=4, {w} draft columns per branch): flat slots (page_size=1) vs "
+          f"page-aligned branch regions with mirror and parent copies (page_size={opt.page_size})")
+    print(f"{'batch':>5} | {'flat µs':>8} | {'regions µs':>10} | {'ratio':>5}")
+    for batch in (1, 16, 64):
+        flat = draft_scratch_us(batch, 1, 4, w, opt.iters // 8)
+        regions = draft_scratch_us(batch, opt.page_size, 4, w, opt.iters // 8)
+        print(f"{batch:>5} | {flat:>8.1f} | {regions:>10.1f} | {regions / flat:>4.2f}x")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,8 @@ class BranchRegions:
     prefix_slots: Tensor  # [B, Lb] table slots of positions [0, Lb) (only < base are read)
     first: int  # columns before the tree (1: a root shared by every branch)
     state: object
+    mirror_len: np.ndarray  # [B] host: last + first, the entries every branch shares
+    _fixed: Optional[tuple] = None  # step_batch's per-round tensors, built on first use
 
     def _column(self, col: Tensor) -> Tensor:
         """[B, K] slots at region offset col [B]."""
@@ -85,46 +87,62 @@ class BranchRegions:
     def root_slots(self) -> Tensor:
         return self._column(self.last)[:, 0]
 
-    def _copy(self, prep, kv, src_branch: Tensor, lo: Tensor, hi: Tensor) -> None:
-        """region[b, k, j] <- region[b, src_branch[b, k], j] for j in [lo_b, hi_b), in the draft pool.
+    def _copy(self, prep, kv, src_branch: Tensor, lo: Tensor, width: int, hi: Tensor) -> None:
+        """region[b, k, j] <- region[b, src_branch[b, k], j] for j in [lo_b, hi_b) (hi_b <= lo_b + width).
 
-        Fixed size (B*K*R pairs): entries outside the range copy a slot onto itself, so no boolean
+        Fixed size (B*K*width pairs): entries past hi_b copy a slot onto itself, so no boolean
         indexing (and no device->host read) is needed.
         """
         B, K, R = self.region.shape
-        j = torch.arange(R, device=self.region.device)
-        src = self.region.gather(1, src_branch[:, :, None].expand(B, K, R))
-        inside = (j >= lo[:, None, None]) & (j < hi[:, None, None])
-        prep.move_kv(kv, self.region.reshape(-1), torch.where(inside, src, self.region).reshape(-1))
+        j = lo[:, None] + torch.arange(width, device=lo.device)  # [B, width]
+        cols = j.clamp(max=R - 1)[:, None, :].expand(B, K, width)
+        tgt = self.region.gather(2, cols)
+        src = self.region.gather(1, src_branch[:, :, None].expand(B, K, R)).gather(2, cols)
+        inside = (j < hi[:, None])[:, None, :]
+        prep.move_kv(kv, tgt.reshape(-1), torch.where(inside, src, tgt).reshape(-1))
 
     def begin(self, prep, kv) -> None:
-        """Mirror the prefix's partial last page (and the root) from branch 0 into every branch."""
-        B, K, _ = self.region.shape
-        if K > 1:
-            zero = torch.zeros((B, K), dtype=torch.int64, device=self.region.device)
-            self._copy(prep, kv, zero, torch.zeros_like(self.last), self.last + self.first)
+        """Mirror the prefix's partial last page (and the root) from branch 0 into every branch.
+
+        The entries are known on the host (``mirror``: the lengths last + first per request), so
+        exactly those are copied.
+        """
+        B, K, R = self.region.shape
+        n = self.mirror_len
+        if K == 1 or not n.any():
+            return
+        per = np.repeat(n, K - 1)  # [(B)(K-1)] entries of branch k >= 1 of each request
+        seg = np.repeat(np.arange(B * (K - 1)), per)
+        j = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+        b, k = seg // (K - 1), seg % (K - 1) + 1
+        flat = self.region.reshape(-1)
+        dev = flat.device
+        tgt = flat[torch.from_numpy((b * K + k) * R + j).to(dev)]
+        src = flat[torch.from_numpy(b * K * R + j).to(dev)]
+        prep.move_kv(kv, tgt, src)
 
     def follow(self, prep, kv, parent_branch: Tensor, step: int) -> None:
         """Before tree step `step` (>= 1): each branch takes its parent's draft columns [0, step)."""
         if self.region.shape[1] > 1 and step > 0:
             lo = self.last + self.first
-            self._copy(prep, kv, parent_branch, lo, lo + step)
+            self._copy(prep, kv, parent_branch, lo, step, lo + step)
 
     def step_batch(self, step: int, anc: Optional[Tensor] = None) -> AttentionBatch:
         """Tree step `step`: branch k reads the prefix's whole pages and its own region up to itself."""
         B, K, R = self.region.shape
-        dev = self.region.device
+        if self._fixed is None:  # what every step of the round shares
+            dev = self.region.device
+            Lb = self.prefix_slots.shape[1]
+            cb, j = torch.arange(Lb, device=dev), torch.arange(R, device=dev)
+            kv_slots = torch.cat([self.prefix_slots, self.region.reshape(B, K * R)], 1)  # [B, Lb + K*R]
+            pre = (cb[None, :] < self.base[:, None])[:, None, :].expand(B, K, Lb)
+            own = torch.eye(K, dtype=torch.bool, device=dev)[None, :, :, None]  # branch k reads region k only
+            kv_pos = torch.cat([cb.expand(B, Lb), (self.base[:, None] + j[None, :]).repeat(1, K)], 1)
+            self._fixed = (kv_slots, pre, own, kv_pos, j)
+        kv_slots, pre, own, kv_pos, j = self._fixed
         col = self.last + self.first + step  # [B] region offset written this step
-        Lb = self.prefix_slots.shape[1]
-        kv_slots = torch.cat([self.prefix_slots, self.region.reshape(B, K * R)], 1)  # [B, Lb + K*R]
-        cb = torch.arange(Lb, device=dev)
-        j = torch.arange(R, device=dev)
-        pre = (cb[None, :] < self.base[:, None])[:, None, :].expand(B, K, Lb)
-        own = torch.eye(K, dtype=torch.bool, device=dev)  # [K, K]: branch k reads region k only
-        upto = j[None, :] <= col[:, None]  # [B, R]
-        reg = own[None, :, :, None] & upto[:, None, None, :]  # [B, K, K, R]
+        reg = own & (j[None, :] <= col[:, None])[:, None, None, :]  # [B, K, K, R]
         mask = torch.cat([pre, reg.reshape(B, K, K * R)], 2)
-        kv_pos = torch.cat([cb.expand(B, Lb), (self.base[:, None] + j[None, :]).repeat(1, K)], 1)
         positions = (self.base + col)[:, None].expand(B, K)
         return AttentionBatch(positions, self._column(col), kv_slots, mask, kv_pos)
 

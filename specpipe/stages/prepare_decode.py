@@ -154,7 +154,7 @@ class PrepareDecode(Stage):
         region = branch_region_slots(self.table, rows_t, L, slots, topk, P, ps)
         prefix = self.slots(rows_t, torch.zeros_like(L_t), bucket(int(base.max())))
         return BranchRegions(region, torch.from_numpy(last).to(dev), torch.from_numpy(base).to(dev), prefix,
-                             int(root), state)
+                             int(root), state, last + int(root))
 
     def end_scratch(self, state) -> None:
         self.alloc.restore_state(state)
