@@ -235,11 +235,18 @@ def default_draft_tokens(topk: int, num_steps: int, budget: int = 8) -> int:
     return max(2, min(budget, most))
 
 
+def default_trie_tokens(topk: int, num_steps: int, budget: int = 12) -> int:
+    """N-gram trie size when the user sets none: topk chains of num_steps tokens share at most the root."""
+    return max(2, min(budget, 1 + topk * num_steps))
+
+
 def register_schemas() -> None:
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("specpipe.draft_tokens"):
         OmegaConf.register_new_resolver("specpipe.draft_tokens", lambda k, s: default_draft_tokens(int(k), int(s)))
+    if not OmegaConf.has_resolver("specpipe.trie_tokens"):
+        OmegaConf.register_new_resolver("specpipe.trie_tokens", lambda k, s: default_trie_tokens(int(k), int(s)))
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schemas in SCHEMAS.items():

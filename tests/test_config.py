@@ -82,3 +82,13 @@ def test_unquoted_policy_options_get_a_quoting_hint():
     msg = precheck(["compile.draft_topk.later=compile(dynamic=false)"])
     assert "quote a policy expression" in msg
     assert precheck(["-m", "draft.topk=1,2", "allocator=token,paged"]) is None
+
+
+@pytest.mark.parametrize("shape, want", [([], (4, 8, 12)), (["draft.topk=1", "draft.num_steps=4"], (1, 4, 5)),
+                                         (["draft.topk=2", "draft.num_steps=3"], (2, 3, 7))])
+def test_ngram_tree_size_follows_the_shape_unless_set(shape, want):
+    """The n-gram trie default (12 nodes) shrinks to what topk chains of num_steps can hold, so
+    overriding the shape alone never yields an invalid num_draft_tokens."""
+    d = compose("draft=ngram", *shape).draft
+    assert (d.topk, d.num_steps, d.num_draft_tokens) == want
+    assert compose("draft=ngram", *shape, "draft.num_draft_tokens=3").draft.num_draft_tokens == 3
