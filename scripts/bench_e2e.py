@@ -24,7 +24,7 @@ DEFAULT_CONFIGS = [
     "draft.topk=1 draft.num_steps=6",
     "draft.topk=2 draft.num_steps=5 draft.num_draft_tokens=8",
     "draft.topk=4 draft.num_steps=5 draft.num_draft_tokens=12",
-    "draft=ngram draft.num_steps=4",
+    "draft=ngram",
 ]
 
 
