@@ -157,6 +157,7 @@ class Pipeline:
         rows_t = torch.from_numpy(rows_np).to(self.dev)
         lens_t = torch.from_numpy(lens).to(self.dev)
         batch = self.prep.decorate(extend_batch(self.prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T)))
+        batch.fresh_causal = True
         last = lens_t - 1
         if self.feature_layers:
             from specpipe.models.eagle3 import target_forward_aux

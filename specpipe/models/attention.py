@@ -155,6 +155,13 @@ class Attention(nn.Module):
         # stale or non-finite K/V elsewhere in the pool can never leak in through a 0 * NaN
         ks[0].zero_()
         vs[0].zero_()
+        if batch.fresh_causal and self.window is None and self.top_k is None:
+            # prefill with no cached prefix: valid queries see only earlier (valid) keys of this forward,
+            # so a causal kernel over the fresh K/V (as stored, dtype round trip included) is exact and
+            # skips the pool gather, the explicit mask and the masked half of the scores
+            kq, vq = k.to(ks.dtype).to(q.dtype), v.to(vs.dtype).to(q.dtype)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), kq.transpose(1, 2), vq.transpose(1, 2),
+                                                  is_causal=True, enable_gqa=True)
         flat_kv = kv_slots.reshape(-1)  # index_select is ~2x faster than advanced indexing here
         keys = ks.index_select(0, flat_kv).view(*kv_slots.shape, self.n_kv, self.hd).to(q.dtype)  # [B, Lkv, Hkv, D]
         vals = vs.index_select(0, flat_kv).view(*kv_slots.shape, self.n_kv, self.hd).to(q.dtype)

@@ -21,6 +21,9 @@ class AttentionBatch:
     kv_slots: Tensor  # [B, Lkv] int64 slots each request reads (padding columns read slot 0)
     mask: Tensor  # [B, Q, Lkv] bool, True where query q may attend key column k
     kv_positions: Optional[Tensor] = None  # [B, Lkv] int64 token position of each key (sliding window)
+    # every request starts at position 0 and its queries are right-padded (a fresh prefill): dense layers
+    # may attend causally over this forward's own K/V instead of gathering them back from the pool
+    fresh_causal: bool = False
     # allocator views added by PrepareDecode.decorate (None for plain allocators):
     swa_out_slots: Optional[Tensor] = None  # [B, Q] window-pool slots of out_slots (allocator=swa)
     swa_kv_slots: Optional[Tensor] = None  # [B, Lkv] window-pool slots of kv_slots (0 = evicted/padding)

@@ -1,0 +1,46 @@
+"""Fresh prefill: dense layers attend causally over the forward's own K/V instead of the pool gather."""
+import pytest
+import torch
+
+from specpipe.models import attention as attention_mod
+from specpipe.models.attention_batch import extend_batch
+from specpipe.models.random_tiny import build_random_tiny
+
+
+def prefill(pair, lens, fresh, kv_dtype=None):
+    target = pair.target
+    target.setup_kv(512, kv_dtype)
+    B, T = len(lens), max(lens)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 250, (B, T), generator=g)
+    table = torch.arange(1, B * T + 1).view(B, T)  # slot 0 stays the padding sink
+    lens_t = torch.tensor(lens)
+    batch = extend_batch(table, torch.arange(B), torch.zeros_like(lens_t), lens_t, T, T)
+    batch.fresh_causal = fresh
+    with torch.no_grad():
+        hidden = target(ids, batch)
+    return hidden, target.kv.k.clone(), target.kv.v.clone()
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("kv_dtype", [None, torch.float32])
+def test_fresh_causal_prefill_equals_the_masked_pool_path(window, kv_dtype, monkeypatch):
+    """Same hidden states on every valid position and the same KV pool, for ragged (right-padded)
+    prompts; sliding-window layers keep the masked path. The fast path really runs (counted)."""
+    pair = build_random_tiny(seed=4, dtype="float64", sliding_window=window)
+    lens = [7, 1, 12, 5]
+    calls = []
+    sdpa = attention_mod.F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        calls.append(k.get("is_causal", False))
+        return sdpa(*a, **k)
+
+    want, wk, wv = prefill(pair, lens, fresh=False, kv_dtype=kv_dtype)
+    monkeypatch.setattr(attention_mod.F, "scaled_dot_product_attention", spy)
+    got, gk, gv = prefill(pair, lens, fresh=True, kv_dtype=kv_dtype)
+    monkeypatch.undo()
+    assert any(calls) == (window is None)  # dense layers take the causal kernel, windowed ones do not
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(got[b, :n], want[b, :n], rtol=0, atol=1e-9)
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
