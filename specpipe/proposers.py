@@ -16,6 +16,7 @@ from specpipe.models.attention_batch import extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket
 from specpipe.stages.build_tree import BuildTree, Tree
 from specpipe.stages.draft_forward import advance_visibility, DraftForward
+from specpipe.stages.draft_scratch import draft_columns
 from specpipe.stages.draft_topk import DraftTopK
 
 
@@ -55,7 +56,7 @@ class EagleProposer:
 
     @property
     def scratch_width(self) -> int:
-        return self.S - 1  # draft columns per branch that need KV (step 0 reuses the extend's top-k)
+        return draft_columns("eagle", self.S)
 
     def propose(self, pipe, rows_t, L, L_t):
         B, K, S = len(pipe.reqs), self.K, self.S
@@ -112,7 +113,7 @@ class NgramProposer:
     def keep(self, keep_t) -> None:
         pass
 
-    scratch_width = 0  # no model, no draft KV
+    scratch_width = draft_columns("ngram", 0)  # no model, no draft KV
 
     def propose(self, pipe, rows_t, L, L_t):
         width = int(L.max()) + 1
@@ -147,7 +148,7 @@ class StandaloneProposer:
 
     @property
     def scratch_width(self) -> int:
-        return self.S  # the root column and S-1 tree steps
+        return draft_columns("standalone", self.S)
 
     def propose(self, pipe, rows_t, L, L_t):
         s = pipe.sampling

@@ -135,10 +135,10 @@ def validate(cfg: DictConfig) -> None:
 
 def one_request_slots(cfg) -> int:
     """KV slots one request needs beyond its prompt: its new tokens, one verify tree and draft scratch."""
-    from specpipe.stages.draft_scratch import scratch_tokens_per_request
+    from specpipe.stages.draft_scratch import draft_columns, scratch_tokens_per_request
 
     d, ps = cfg.draft, cfg.allocator.page_size
-    width = {"eagle": d.num_steps - 1, "standalone": d.num_steps}.get(d.method, 0)  # draft KV columns per branch
+    width = draft_columns(d.method, d.num_steps)
     extra = 2 if d.method == "none" else d.num_draft_tokens + scratch_tokens_per_request(ps, d.topk, width)
     tokens = cfg.workload.max_new_tokens + extra
     return (-(-tokens // ps) + 2) * ps

@@ -13,6 +13,15 @@ def compose(*overrides: str):
     return compose_config(list(overrides))
 
 
+def random_prompts(seed: int, lengths) -> list[str]:
+    """Code-like random prompts of the given lengths (characters), reproducible from the seed."""
+    import random
+
+    rng = random.Random(seed)
+    alphabet = "abcdefghij klmnop=():\n_"
+    return ["".join(rng.choice(alphabet) for _ in range(n)) for n in lengths]
+
+
 def write_prompts(path, prompts) -> str:
     path.write_text("".join(json.dumps({"prompt": x}) + "\n" for x in prompts))
     return str(path)

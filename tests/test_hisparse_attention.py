@@ -1,5 +1,4 @@
 """Top-k sparse attention (model.sparse_top_k) and allocator=hisparse hot-buffer accounting."""
-import random
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ from specpipe.app import run
 from specpipe.models.attention import sparse_select
 from specpipe.models.attention_batch import extend_batch
 from specpipe.models.random_tiny import build_random_tiny
-from helpers import compose, write_prompts
+from helpers import compose, random_prompts, write_prompts
 
 NEW = 40
 LENGTHS = [40, 47, 55, 64]
@@ -17,10 +16,7 @@ SPARSE = ("model.sparse_top_k=4", "model.sparse_local=8")
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    rng = random.Random(11)
-    alphabet = "abcdefghij klmnop=():\n_"
-    prompts = ["".join(rng.choice(alphabet) for _ in range(n)) for n in LENGTHS]
-    return write_prompts(tmp_path_factory.mktemp("hisparse") / "prompts.jsonl", prompts)
+    return write_prompts(tmp_path_factory.mktemp("hisparse") / "prompts.jsonl", random_prompts(11, LENGTHS))
 
 
 def decode(path, *overrides):

@@ -1,19 +1,15 @@
 """Greedy speculative decoding must reproduce the target's own greedy decode token for token."""
-import random
-
 import pytest
 
 from specpipe.app import run
 from specpipe.models.random_tiny import build_random_tiny
-from helpers import compose
+from helpers import compose, random_prompts
 
 LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 47, 64]
 
 
 def prompts_for(seed):
-    rng = random.Random(seed)
-    alphabet = "abcdefghij klmnop=():\n_"
-    return ["".join(rng.choice(alphabet) for _ in range(n)) for n in LENGTHS]
+    return random_prompts(seed, LENGTHS)
 
 
 def decode(prompt_path, pair, *overrides):

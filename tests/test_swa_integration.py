@@ -1,6 +1,5 @@
 """allocator=swa for real: sliding layers keep K/V only in the window pool, and every commit frees
 the window-pool pages of tokens that left the window; greedy output stays the target's own."""
-import random
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from specpipe.errors import ConfigError
 from specpipe.models.attention_batch import extend_batch
 from specpipe.models.random_tiny import build_random_tiny
 from specpipe.stages.prepare_decode import PrepareDecode, target_kv_layout
-from helpers import compose, write_prompts
+from helpers import compose, random_prompts, write_prompts
 
 WINDOW = 16
 NEW = 40
@@ -22,10 +21,7 @@ SWA_SLOTS = 320  # < the 366+ tokens the batch ends with: the run only fits if e
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    rng = random.Random(7)
-    alphabet = "abcdefghij klmnop=():\n_"
-    prompts = ["".join(rng.choice(alphabet) for _ in range(n)) for n in LENGTHS]
-    return write_prompts(tmp_path_factory.mktemp("swa") / "prompts.jsonl", prompts)
+    return write_prompts(tmp_path_factory.mktemp("swa") / "prompts.jsonl", random_prompts(7, LENGTHS))
 
 
 def decode(path, layers, *overrides):

@@ -64,7 +64,8 @@ class KVPool:
     def move(self, tgt: Tensor, src: Tensor, window_tgt: Optional[Tensor] = None,
              window_src: Optional[Tensor] = None) -> None:
         """Copy K/V from slots ``src`` to ``tgt`` (both [n] int64); window layers use the translated pair."""
-        # index_select/index_copy_ along the slot dim: ~10x faster than advanced indexing here
+        # index_select/index_copy_ along the slot dim: advanced indexing on dim 1 (k[:, tgt] = k[:, src])
+        # goes through the generic index_put path, which was the bulk of a draft round's copies
         self.k.index_copy_(1, tgt, self.k.index_select(1, src))
         self.v.index_copy_(1, tgt, self.v.index_select(1, src))
         if self.has_window:

@@ -32,6 +32,12 @@ from specpipe.models.attention_batch import AttentionBatch
 from specpipe.stages.draft_forward import draft_decode_batch
 
 
+def draft_columns(method: str, num_steps: int) -> int:
+    """Draft KV columns per branch and round: an EAGLE head's step 0 reuses the extend's top-k (S - 1
+    forwards); a standalone draft also runs the root (S); n-gram lookup has no model."""
+    return {"eagle": num_steps - 1, "standalone": num_steps}.get(method, 0)
+
+
 def scratch_tokens_per_request(page_size: int, topk: int, width: int) -> int:
     """Worst-case draft slots one request borrows per round (W columns per branch, K branches)."""
     if width <= 0:
@@ -87,20 +93,6 @@ class BranchRegions:
     def root_slots(self) -> Tensor:
         return self._column(self.last)[:, 0]
 
-    def _copy(self, prep, kv, src_branch: Tensor, lo: Tensor, width: int, hi: Tensor) -> None:
-        """region[b, k, j] <- region[b, src_branch[b, k], j] for j in [lo_b, hi_b) (hi_b <= lo_b + width).
-
-        Fixed size (B*K*width pairs): entries past hi_b copy a slot onto itself, so no boolean
-        indexing (and no device->host read) is needed.
-        """
-        B, K, R = self.region.shape
-        j = lo[:, None] + torch.arange(width, device=lo.device)  # [B, width]
-        cols = j.clamp(max=R - 1)[:, None, :].expand(B, K, width)
-        tgt = self.region.gather(2, cols)
-        src = self.region.gather(1, src_branch[:, :, None].expand(B, K, R)).gather(2, cols)
-        inside = (j < hi[:, None])[:, None, :]
-        prep.move_kv(kv, tgt.reshape(-1), torch.where(inside, src, tgt).reshape(-1))
-
     def begin(self, prep, kv) -> None:
         """Mirror the prefix's partial last page (and the root) from branch 0 into every branch.
 
@@ -122,10 +114,18 @@ class BranchRegions:
         prep.move_kv(kv, tgt, src)
 
     def follow(self, prep, kv, parent_branch: Tensor, step: int) -> None:
-        """Before tree step `step` (>= 1): each branch takes its parent's draft columns [0, step)."""
-        if self.region.shape[1] > 1 and step > 0:
-            lo = self.last + self.first
-            self._copy(prep, kv, parent_branch, lo, step, lo + step)
+        """Before tree step `step` (>= 1): each branch takes its parent's draft columns [0, step).
+
+        Columns last + first + [0, step) lie inside every region (step < W), and a branch whose
+        parent is itself copies its slots onto themselves, so the copy has a fixed size.
+        """
+        B, K, R = self.region.shape
+        if K == 1 or step == 0:
+            return
+        j = (self.last + self.first)[:, None] + torch.arange(step, device=self.region.device)  # [B, step]
+        cols = j[:, None, :].expand(B, K, step)
+        src = self.region.gather(1, parent_branch[:, :, None].expand(B, K, R)).gather(2, cols)
+        prep.move_kv(kv, self.region.gather(2, cols).reshape(-1), src.reshape(-1))
 
     def step_batch(self, step: int, anc: Optional[Tensor] = None) -> AttentionBatch:
         """Tree step `step`: branch k reads the prefix's whole pages and its own region up to itself."""

@@ -90,9 +90,8 @@ class PrepareDecode(Stage):
         pages = int(((n + ps - 1) // ps - (c + ps - 1) // ps).sum())  # closed form, host ints only
         r_t = torch.from_numpy(r).to(self.device)
         c_t = torch.from_numpy(c).to(self.device)
-        last_loc = torch.where(c_t > 0, self.table[r_t, (c_t - 1).clamp(min=0)], torch.full_like(c_t, -1))
-        slots = self._extend(r)(c_t, torch.from_numpy(n).to(self.device), last_loc,
-                      num_new_pages=pages, extend_num_tokens=int((n - c).sum()))
+        slots = self._extend(r)(c_t, torch.from_numpy(n).to(self.device), self._last_loc(r_t, c_t),
+                                num_new_pages=pages, extend_num_tokens=int((n - c).sum()))
         if slots is None:
             return False
         seg, pos = ranges(c, n)
@@ -102,6 +101,10 @@ class PrepareDecode(Stage):
         if self.window is not None:
             self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
         return True
+
+    def _last_loc(self, rows_t: Tensor, lens: Tensor) -> Tensor:
+        """[B] slot of each row's position lens_b - 1, or -1 for an empty row (alloc_extend's last_loc)."""
+        return torch.where(lens > 0, self.table[rows_t, (lens - 1).clamp(min=0)], torch.full_like(lens, -1))
 
     def _extend(self, rows: np.ndarray):
         """The allocator's extend for these rows: once hot buffers exist (hisparse), logical ids only."""
@@ -128,33 +131,32 @@ class PrepareDecode(Stage):
         ps, B, dev = self.ps, len(L), self.device
         extend = self._extend(rows) if ps > 1 else None  # before the backup: hot buffers are not scratch
         state = self.alloc.backup_state()
+        first = int(root)
         if ps == 1:
             n = B * width * topk
             slots = self.alloc.alloc(n) if n else torch.empty(0, dtype=torch.int64, device=dev)
             if slots is None:
                 return None
-            Lp = bucket(int(L.max()) + (1 if root else 0))
+            Lp = bucket(int(L.max()) + first)
             prefix = self.slots(rows_t, torch.zeros_like(L_t), Lp)
             cols = slots.view(B, width, topk)
-            ar = torch.arange(Lp, device=dev)
             if root:  # the root's slot stands in for table position L
                 prefix = prefix.scatter(1, L_t[:, None], cols[:, 0, :1])
-            valid = ar[None, :] < (L_t + (1 if root else 0))[:, None]
-            return FlatScratch(cols, prefix, valid, L_t + (1 if root else 0), int(root), state)
+            valid = torch.arange(Lp, device=dev)[None, :] < (L_t + first)[:, None]
+            return FlatScratch(cols, prefix, valid, L_t + first, first, state)
         last = L % ps
         base = L - last
         P = -(-(last + width) // ps)  # pages per branch
         end = base + topk * P * ps  # virtual end of the last branch's region
         pages = int((topk * P - (last > 0)).sum())  # closed form: Σ ceil(end/ps) - ceil(L/ps)
-        last_loc = torch.where(L_t > 0, self.table[rows_t, (L_t - 1).clamp(min=0)], torch.full_like(L_t, -1))
-        slots = extend(L_t, torch.from_numpy(end).to(dev), last_loc, num_new_pages=pages,
+        slots = extend(L_t, torch.from_numpy(end).to(dev), self._last_loc(rows_t, L_t), num_new_pages=pages,
                        extend_num_tokens=int((end - L).sum()))
         if slots is None:
             return None
         region = branch_region_slots(self.table, rows_t, L, slots, topk, P, ps)
         prefix = self.slots(rows_t, torch.zeros_like(L_t), bucket(int(base.max())))
         return BranchRegions(region, torch.from_numpy(last).to(dev), torch.from_numpy(base).to(dev), prefix,
-                             int(root), state, last + int(root))
+                             first, state, last + first)
 
     def end_scratch(self, state) -> None:
         self.alloc.restore_state(state)
