@@ -200,6 +200,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     for r, it in zip(reqs, items):
         r.seed = request_seed(base_seed, r.index, it.get("seed"))
     spec = cfg.draft.method != "none"
+    step_rows = cfg.workload.batch_size * (cfg.draft.num_draft_tokens if spec else 1)  # rows of a verify forward
+    layout = device.lay_out_weights([pair.target, pair.draft, getattr(pair, "standalone", None)], (1, step_rows))
     metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,
                       cfg.draft.num_draft_tokens if spec else 2)
     metrics.attach_model_timer([pair.target, pair.draft, getattr(pair, "standalone", None)], device.synchronize)
@@ -218,6 +220,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     from specpipe.autotune import collect_decisions
 
     summary["autotune"] = collect_decisions(getattr(pipe, "stages", []))  # compile=auto choices + timings
+    summary["weight_layout"] = layout  # per Linear shape: the layout kept (and what auto measured)
     summary["model_loads_in_process"] = MODEL_LOADS[0]  # 1 in every job of an in-process sweep: weights reused
     summary["config"] = to_container(cfg)
     if out_dir is not None:

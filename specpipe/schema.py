@@ -20,6 +20,12 @@ class DeviceConf:
     dtype: str = "float32"  # float32 | float64 | bfloat16 | float16
     index: int = 0  # accelerator index (cuda:N / npu:N)
     num_threads: Optional[int] = None  # torch CPU threads (None: torch's default, one per core)
+    # Linear weight storage: auto (CPU: time row- vs column-major per shape, keep the faster; elsewhere
+    # row) | row (HF's layout) | column (devices/weight_layout.py)
+    weight_layout: str = "auto"
+
+
+WEIGHT_LAYOUTS = ("auto", "row", "column")  # DeviceConf.weight_layout values
 
 
 @dataclass

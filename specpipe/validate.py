@@ -8,6 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 from specpipe.build import check_target
 from specpipe.compile_policy import PolicyError, device_problem, parse_policy
 from specpipe.errors import ConfigError
+from specpipe.schema import WEIGHT_LAYOUTS as LAYOUTS
 from specpipe.workload import PROMPT_SETS
 
 DRAFT_METHODS = ("eagle", "none", "ngram", "standalone")
@@ -83,6 +84,10 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"device.dtype={cfg.device.dtype!r} is unknown (valid: {', '.join(DTYPES)})")
     if cfg.model.get("dtype") is not None and cfg.model.dtype not in DTYPES:
         errors.append(f"model.dtype={cfg.model.dtype!r} is unknown (valid: {', '.join(DTYPES)} or null)")
+    layout = cfg.device.get("weight_layout", "auto")
+    if layout not in LAYOUTS:
+        errors.append(f"device.weight_layout={layout!r} is not valid: use one of {', '.join(LAYOUTS)} (auto times "
+                      "row- and column-major storage per weight shape on CPU and keeps the faster)")
     if cfg.device.get("num_threads") is not None and cfg.device.num_threads < 1:
         errors.append(f"device.num_threads={cfg.device.num_threads} must be >= 1 (or null for torch's default)")
     _draft(cfg.draft, errors)

@@ -45,6 +45,7 @@ CASES = [
     (["draft=ngram", "draft.min_n=3", "draft.max_n=2"], "need 1 <= min_n <= max_n", True),
     (["device.dtype=float8"], "device.dtype='float8' is unknown", True),
     (["device.num_threads=0"], "device.num_threads=0 must be >= 1", True),
+    (["device.weight_layout=diagonal"], "device.weight_layout='diagonal' is not valid: use one of auto, row, column", True),
     (["seed=-1"], "seed=-1 must be >= 0", True),
     (["allocator._target_=os.system"], "only classes and functions inside the 'specpipe' package", True),
     (["model._target_=subprocess.call"], "refused", True),

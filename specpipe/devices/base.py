@@ -107,10 +107,13 @@ class Device:
     capabilities: frozenset = frozenset()  # what the hardware offers, asked instead of the device's name
     allocator_kernels = "torch"  # which allocator kernels pay on this device
     default_dtype = "float32"
+    times_weight_layout = False  # weight_layout=auto times both layouts (CPU GEMMs); else it keeps HF's (row)
 
-    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None):
+    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None,
+                 weight_layout: str = "auto"):
         self.dtype = DTYPES[dtype or self.default_dtype]
         self.index = index
+        self.weight_layout = weight_layout
         if num_threads is not None:  # host threads for torch's CPU ops (1 is fastest on a shared machine)
             torch.set_num_threads(num_threads)
         self.torch_device = self.make_torch_device(index)
@@ -128,6 +131,16 @@ class Device:
 
     def memory_stats(self) -> dict:
         return {}
+
+    def lay_out_weights(self, models, rows) -> dict:
+        """Store each Linear weight in the layout its GEMM runs fastest with (devices/weight_layout.py);
+        `rows`: the row counts the decode loop's forwards use. Returns the choices, per weight shape."""
+        from specpipe.devices.weight_layout import lay_out_weights
+
+        mode = self.weight_layout
+        if mode == "auto" and not self.times_weight_layout:
+            mode = "row"
+        return lay_out_weights(models, mode, rows)
 
     # ---- compile policies ----------------------------------------------------------------
     def compile(self, fn: Callable, policy: BranchPolicy, name: Optional[str] = None) -> Callable:

@@ -17,6 +17,7 @@ class CpuDevice(Device):
     capabilities = frozenset({"inductor"})
     allocator_kernels = "torch"
     default_dtype = "float32"
+    times_weight_layout = True  # MKL's speed depends on the weight layout, by shape (devices/weight_layout.py)
 
     def make_torch_device(self, index: int) -> torch.device:
         return torch.device("cpu")  # one CPU device; `index` only matters on accelerators

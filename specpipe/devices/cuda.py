@@ -34,9 +34,10 @@ class CudaDevice(Device):
     allocator_kernels = "triton"
     default_dtype = "bfloat16"
 
-    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None):
+    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None,
+                 weight_layout: str = "auto"):
         check_cuda(index)
-        super().__init__(dtype, index, num_threads)
+        super().__init__(dtype, index, num_threads, weight_layout)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

@@ -62,7 +62,8 @@ class NpuDevice(Device):
     allocator_kernels = "torch"
     default_dtype = "bfloat16"
 
-    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None):
+    def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None,
+                 weight_layout: str = "auto"):
         import_torch_npu()
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
@@ -72,7 +73,7 @@ class NpuDevice(Device):
         if not 0 <= index < count:
             raise DeviceUnavailableError(f"device=npu cannot be used: device.index={index} but {count} NPU(s) are "
                                          f"visible (valid: 0..{count - 1})")
-        super().__init__(dtype, index, num_threads)
+        super().__init__(dtype, index, num_threads, weight_layout)
         self.torchair = import_torchair()
         self.notices: list[str] = []  # translations made, each logged once
 

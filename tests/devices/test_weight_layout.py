@@ -1,0 +1,112 @@
+"""Linear weight layouts: same values in the chosen storage, shared weights stay shared, auto keeps the faster."""
+import pytest
+import torch
+from torch import nn
+
+from specpipe.devices.base import Device
+from specpipe.devices.cpu import CpuDevice
+from specpipe.devices.weight_layout import MARGIN, as_layout, is_column_major, lay_out_weights, linear_weights
+from specpipe.models.random_tiny import build_random_tiny
+
+
+def linears(model):
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def test_column_layout_keeps_values_and_shape():
+    w = torch.randn(7, 5)
+    c = as_layout(w, "column")
+    assert c.shape == w.shape and torch.equal(c, w)
+    assert is_column_major(c) and not is_column_major(w) and c.stride() == (1, 7)
+    assert as_layout(c, "column") is c  # already so: no copy
+    r = as_layout(c, "row")
+    assert r.is_contiguous() and torch.equal(r, w)
+
+
+def test_column_layout_of_a_model_gives_the_same_forward_and_keeps_ties():
+    pair = build_random_tiny(tie_word_embeddings=True, seed=3)
+    target, head = pair.target, pair.draft
+    ids = torch.randint(0, 258, (2, 9))
+    with torch.no_grad():
+        before = target.logits(target(ids))
+    shared = {id(p) for p in head.parameters()} & {id(p) for p in target.parameters()}
+    report = lay_out_weights([target, head], "column")
+    tied = target.lm_head.weight
+    assert tied is target.embed_tokens.weight and tied.is_contiguous()  # the embedding reads rows: untouched
+    moved = [m.weight for m in linears(target) + linears(head) if m.weight is not tied]
+    assert moved and all(is_column_major(w) for w in moved)
+    # parameters the head shares with the target are still the same objects (changed in place)
+    assert shared == {id(p) for p in head.parameters()} & {id(p) for p in target.parameters()}
+    with torch.no_grad():
+        after = target.logits(target(ids))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert all(e["layout"] == "column" for e in report.values())
+    assert sum(e["count"] for e in report.values()) == len(moved)
+    lay_out_weights([target, head], "row")  # and back
+    assert all(w.is_contiguous() for w in moved)
+
+
+def fake_timer(speed):
+    """A timer that reports speed[(out, in, layout)] seconds and counts its calls."""
+    calls = []
+
+    def timer(weights, rows):
+        w = weights[0]
+        lay = "column" if is_column_major(w) else "row"
+        calls.append((tuple(w.shape), rows, lay))
+        return speed[(w.shape[0], w.shape[1], lay)] * rows
+    timer.calls = calls
+    return timer
+
+
+def test_auto_keeps_the_faster_layout_per_shape_and_times_each_once():
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False), nn.Linear(8, 16, bias=False))
+    speed = {(16, 8, "row"): 2.0, (16, 8, "column"): 1.0,  # column clearly faster
+             (8, 16, "row"): 1.0, (8, 16, "column"): 1.0 - MARGIN / 2}  # within the margin: keep row
+    timer = fake_timer(speed)
+    report = lay_out_weights([model], "auto", rows=(1, 4), timer=timer)
+    assert is_column_major(model[0].weight) and is_column_major(model[2].weight)
+    assert model[1].weight.is_contiguous()
+    assert report["16x8 float32"]["layout"] == "column" and report["16x8 float32"]["count"] == 2
+    assert report["8x16 float32"]["layout"] == "row"
+    assert report["16x8 float32"]["us"] == {"row": 10e6, "column": 5e6}  # summed over rows 1 and 4
+    assert sorted(timer.calls) == sorted((s, r, lay) for s in ((16, 8), (8, 16)) for r in (1, 4)
+                                         for lay in ("row", "column"))
+    n = len(timer.calls)
+    lay_out_weights([model], "auto", rows=(1, 4), timer=timer)  # measured before in this process
+    assert len(timer.calls) == n
+
+
+def test_devices_resolve_auto():
+    model = nn.Sequential(nn.Linear(64, 256, bias=False))
+    assert not Device.times_weight_layout and CpuDevice.times_weight_layout
+    dev = CpuDevice(weight_layout="column")
+    dev.lay_out_weights([model], (1,))
+    assert is_column_major(model[0].weight)
+    dev = CpuDevice(weight_layout="row")
+    dev.lay_out_weights([model], (1,))
+    assert model[0].weight.is_contiguous()
+    report = CpuDevice().lay_out_weights([model], (1,))  # auto on CPU: really timed
+    assert report["256x64 float32"]["us"]["row"] > 0 and report["256x64 float32"]["us"]["column"] > 0
+
+
+def test_bad_layout_is_refused():
+    with pytest.raises(ValueError, match="diagonal"):
+        lay_out_weights([nn.Linear(2, 2)], "diagonal")
+
+
+def test_run_applies_and_reports_the_layout():
+    from helpers import compose
+
+    from specpipe.app import run
+
+    pair = build_random_tiny(seed=1)
+    cfg = compose("model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=4", "draft=eagle",
+                  "device.weight_layout=column")
+    res = run(cfg, quiet=True, pair=pair)
+    layout = res["metrics"]["weight_layout"]
+    assert layout and all(e["layout"] == "column" for e in layout.values())
+    assert all(is_column_major(m.weight) for m in linears(pair.target) + linears(pair.draft))
+    assert sum(e["count"] for e in layout.values()) == len({id(m.weight) for m in linears(pair.target)
+                                                             + linears(pair.draft)})
+    assert len(linear_weights([pair.target, pair.draft])) == len(layout)
