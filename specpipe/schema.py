@@ -133,7 +133,7 @@ class EagleDraftConf(DraftConf):
 @dataclass
 class NgramDraftConf(DraftConf):
     method: str = "ngram"
-    topk: int = 1  # >1: a tree of the continuations of up to topk distinct matches
+    topk: int = 1  # 1: the best match's continuation (a chain); >1: a trie voted by the 4*topk best matches
     num_steps: int = 4  # draft length
     num_draft_tokens: int = 5
     min_n: int = 1  # shortest n-gram to match

@@ -3,11 +3,16 @@
 No model: the draft for request b is read from its own token history. For every n in
 [min_n, max_n] the last n tokens (ending with the root = the last committed token) are looked up
 earlier in the history; a match at [c-n, c) proposes the continuation history[c : c+num_steps]
-(cut at the end of the history). Matches are ranked by (longest n, most recent c). With topk=1
-the best continuation becomes a chain; with topk=K the continuations of the K best matches whose
-continuations are not prefixes of a better one are merged as a trie (shared prefixes share nodes).
-Nodes are numbered rank-major (the best continuation's chain first, then the new nodes of the
-next), truncated to num_draft_tokens - 1; the layout is the verifier's `Tree`.
+(cut at the end of the history). Matches are ranked by (longest n, most recent c).
+
+With topk=1 the best continuation becomes a chain. With topk=K > 1 the M = 4K best matches vote
+(SuffixDecoding's idea, with n-weighted votes): each adds 2^n to every node of the trie of their
+continuations it passes through, so a node's vote says how often, and after how specific a
+context, that path followed the tail before. The num_draft_tokens - 1 most-voted nodes are kept,
+ties going to the better-ranked match, then to the shallower node. A node never outranks its
+parent, so every top slice is a trie, numbered in rank order (parents before children); the
+layout is the verifier's `Tree`. On the shipped pair's held-out prompts (64 tokens, 12 nodes) the
+votes accept 3.03 tokens per step against 2.81 for the 4 best continuations merged rank by rank.
 
 Worked example (one request, min_n=1, max_n=3, num_steps=3):
 
@@ -16,6 +21,7 @@ Worked example (one request, min_n=1, max_n=3, num_steps=3):
     n=2 tail  = [2 3]    -> at [4,6) (c=6, most recent) and at [1,3) (c=3)
     topk=1, num_draft_tokens=4: chain  3 -> 5 -> 6 -> 2           (history[6:9])
     topk=2, num_draft_tokens=7: trie   3 -> 5 -> 6 -> 2 ; 3 -> 4 -> 2 -> 3
+        (c=6 and c=3 vote 2^2 each for their own nodes; c=6 ranks first on ties)
         tokens = [3, 5, 6, 2, 4, 2, 3]   parent = [-1, 0, 1, 2, 0, 4, 5]
     topk=2, num_draft_tokens=5: the last node is cut: tokens [3, 5, 6, 2, 4], parent [-1, 0, 1, 2, 0]
 
@@ -52,7 +58,8 @@ class NgramDrafter:
         if not 2 <= self.N <= 1 + topk * num_steps:
             raise ValueError(f"num_draft_tokens must be in [2, 1 + topk*num_steps = {1 + topk * num_steps}]")
         self.min_n, self.max_n = min_n, max_n
-        self.M = candidates if candidates is not None else 4 * topk  # matches examined before dedup
+        # matches that vote: the best one alone makes a chain; a trie takes the votes of 4 per branch
+        self.M = candidates if candidates is not None else (1 if topk == 1 else 4 * topk)
 
     def match_lengths(self, context: Tensor, lengths: Tensor) -> Tensor:
         """[B, L]: for each continuation start c, how many (<= max_n) tokens before c equal the tail."""
@@ -68,17 +75,22 @@ class NgramDrafter:
             n = n + run.to(torch.int64)
         return n
 
-    def continuations(self, context: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """Best K continuations: windows [B, K, S] (-1 past the end) and their lengths [B, K] (0: none)."""
+    def candidates(self, context: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The M best matches' continuations: windows [B, M, S] (-1 past the end), their lengths
+        [B, M] (0: no match) and match lengths n [B, M], best first (longest n, then most recent)."""
         B, L = context.shape
-        S, K = self.S, self.K
+        S = self.S
         dev = context.device
         pos = torch.arange(L, device=dev)
         n = self.match_lengths(context, lengths)
         ok = (pos >= 1)[None, :] & (pos[None, :] < lengths[:, None]) & (n >= self.min_n)
         score = torch.where(ok, n * (L + 1) + pos, torch.full_like(n, -1))  # longest n, then most recent
-        M = min(L, self.M)
-        top, c = score.topk(M, dim=-1)  # [B, M]
+        M = self.M
+        top, c = score.topk(min(L, M), dim=-1)  # [B, M']
+        if top.shape[1] < M:  # fewer history positions than M: pad with non-matches
+            pad = M - top.shape[1]
+            top = torch.cat([top, top.new_full((B, pad), -1)], 1)
+            c = torch.cat([c, c.new_zeros((B, pad))], 1)
         cval = top >= 0
         t = torch.arange(S, device=dev)
         idx = c[:, :, None] + t  # [B, M, S]
@@ -86,43 +98,40 @@ class NgramDrafter:
         inside = t < wlen[:, :, None]
         win = torch.where(inside, context.gather(1, idx.clamp(max=L - 1).reshape(B, -1)).view(B, M, S),
                           torch.full_like(idx, -1))
-        # redundant: its continuation is a prefix of a better-ranked one (adds no trie node)
-        cover = ((win[:, :, None, :] == win[:, None, :, :]) | ~inside[:, :, None, :]).all(-1)  # [B, m, m']
-        mm = torch.arange(M, device=dev)
-        redundant = (cover & (mm[None, :] < mm[:, None]) & cval[:, None, :]).any(-1)
-        keep = cval & ~redundant
-        order = torch.where(keep, mm, mm + M).sort(dim=-1).values[:, :K] % M  # first K kept, by rank
-        kept = keep.gather(1, order)
-        if order.shape[1] < K:  # fewer candidate positions than K
-            pad = K - order.shape[1]
-            order = torch.cat([order, order.new_zeros((B, pad))], 1)
-            kept = torch.cat([kept, kept.new_zeros((B, pad))], 1)
-        wk = win.gather(1, order[:, :, None].expand(B, K, S))
-        lk = torch.where(kept, wlen.gather(1, order), torch.zeros_like(order))
-        wk = torch.where(t < lk[:, :, None], wk, torch.full_like(wk, -1))
-        return wk, lk
+        return win, wlen, torch.where(cval, top // (L + 1), torch.zeros_like(top))
 
     def propose(self, context: Tensor, lengths: Tensor, seq_lens: Tensor) -> Tree:
         """context [B, Lmax] token history ending with the root (the last committed token) at
         lengths[b]-1; seq_lens [B] the root's target position. Returns the draft `Tree` [B, N]."""
         B = context.shape[0]
-        K, S, N = self.K, self.S, self.N
+        S, N, M = self.S, self.N, self.M
         dev = context.device
-        wk, lk = self.continuations(context, lengths)  # [B,K,S], [B,K]
+        win, wlen, n = self.candidates(context, lengths)  # [B,M,S], [B,M], [B,M]
         t = torch.arange(S, device=dev)
-        valid = t < lk[:, :, None]  # [B,K,S] node (k, depth t+1) exists
-        eq = (wk[:, :, None, :] == wk[:, None, :, :]).to(torch.int64).cumprod(-1).bool()  # prefix equality
-        canon = (eq & valid[:, None, :, :]).to(torch.int64).argmax(2)  # [B,K,S] first rank with this prefix
-        kk = torch.arange(K, device=dev)
-        new = valid & (canon == kk[None, :, None])
-        local_new = new.reshape(B, -1).to(torch.int64).cumsum(-1).view(B, K, S)  # 1-based, rank-major
-        local = local_new.gather(1, canon)  # local index of each (k, depth)'s canonical node
-        par = torch.cat([torch.zeros_like(local[:, :, :1]), local[:, :, :-1]], 2)
-        take = new & (local <= N - 1)
-        dst = torch.where(take, local, torch.full_like(local, N)).reshape(B, -1)  # column N = discard
+        valid = t < wlen[:, :, None]  # [B,M,S] node (m, depth t+1) exists
+        # same[b, m, m', t]: matches m and m' share their first t+1 continuation tokens (the same trie node)
+        same = ((win[:, :, None, :] == win[:, None, :, :]).to(torch.int64).cumprod(-1).bool()
+                & valid[:, :, None, :] & valid[:, None, :, :])
+        canon = same.to(torch.int64).argmax(2)  # [B,M,S] best-ranked match through this node
+        mm = torch.arange(M, device=dev)
+        own = valid & (canon == mm[None, :, None])  # (m, t) is the node's canonical entry
+        votes = (torch.ones_like(n) << n.clamp(max=30)) * (wlen > 0)  # [B,M] 2^n per match
+        count = (same.to(torch.int64) * votes[:, None, :, None]).sum(2)  # [B,M,S] votes through each node
+        # rank: most votes, then the better match, then the shallower node; a parent always outranks its
+        # children (at least their votes, the same or a better match, shallower), so any top slice is a trie
+        order = (M * S) - (mm[:, None] * S + t[None, :])  # in [1, M*S]
+        key = torch.where(own, count * (M * S + 1) + order, torch.full_like(count, -1)).reshape(B, M * S)
+        top, pick = key.topk(N - 1, dim=-1)  # [B, N-1], best first: parents before children
+        picked = top >= 0
+        local = torch.full((B, M * S + 1), -1, dtype=torch.int64, device=dev)  # flat (m, t) -> local index
+        local.scatter_(1, torch.where(picked, pick, torch.full_like(pick, M * S)),
+                       torch.arange(1, N, device=dev).expand(B, N - 1).clone())
+        local[:, M * S] = -1
+        pm, pt = pick // S, pick % S
+        up = canon.gather(1, pm[:, :, None].expand(B, N - 1, S)).gather(2, (pt - 1).clamp(min=0)[:, :, None])[:, :, 0]
+        par = torch.where(pt > 0, local.gather(1, up * S + (pt - 1).clamp(min=0)), torch.zeros_like(pt))
         root = context.gather(1, (lengths - 1).clamp(min=0)[:, None])  # [B,1]
-        tokens = root.expand(B, N + 1).clone().scatter(1, dst, wk.reshape(B, -1).clamp(min=0))[:, :N]
-        parent = torch.full((B, N + 1), -1, dtype=torch.int64, device=dev).scatter(1, dst, par.reshape(B, -1))
-        parent[:, N] = -1
-        tokens[:, 0] = root[:, 0]
-        return tree_from_parents(tokens, parent[:, :N], seq_lens, S)
+        tok = win.reshape(B, M * S).gather(1, pick)
+        tokens = torch.cat([root, torch.where(picked, tok, root.expand(B, N - 1))], 1)
+        parent = torch.cat([torch.full_like(root, -1), torch.where(picked, par, torch.full_like(par, -1))], 1)
+        return tree_from_parents(tokens, parent, seq_lens, S)

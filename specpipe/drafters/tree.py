@@ -21,15 +21,16 @@ def tree_from_parents(tokens: Tensor, parent: Tensor, seq_lens: Tensor, max_dept
     B, N = tokens.shape
     dev = tokens.device
     ar = torch.arange(N, device=dev)
-    anc = (ar[:, None] == ar[None, :]).expand(B, N, N).clone()  # [B, N, N]
-    cur = parent
-    for _ in range(max_depth):
-        valid = cur >= 0
-        anc |= (cur.clamp(min=0)[:, :, None] == ar) & valid[:, :, None]
-        cur = torch.where(valid, parent.gather(1, cur.clamp(min=0)), cur)
-    reach = anc[:, :, 0]
-    anc = anc & reach[:, :, None] | (ar[:, None] == ar[None, :])  # unlinked: self only
-    depth = torch.where(reach, anc.sum(-1) - 1, torch.zeros_like(parent))
+    eye = ar[:, None] == ar[None, :]
+    # ancestors by doubling: anc holds every ancestor within h hops, h = 1, 2, 4, ... >= max_depth
+    anc = ((parent[:, :, None] == ar) | eye).to(torch.float32)  # [B, N, N]
+    for _ in range(max(1, max_depth - 1).bit_length()):
+        anc = (torch.bmm(anc, anc) > 0).to(torch.float32)
+    anc = anc > 0
+    depth = anc.sum(-1) - 1
+    reach = anc[:, :, 0] & (depth <= max_depth)  # the root within max_depth hops
+    anc = anc & reach[:, :, None] | eye  # unlinked: self only
+    depth = torch.where(reach, depth, torch.zeros_like(parent))
     parent = torch.where(reach, parent, torch.full_like(parent, -1))
     child = parent[:, None, :] == ar[None, :, None]  # [B, p, j]
     big = torch.full((), N, device=dev)

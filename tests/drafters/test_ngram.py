@@ -75,9 +75,14 @@ def test_batch_of_mixed_cases_equals_one_by_one():
 
 
 def brute_matches(h, min_n, max_n):
-    """All (n, c) with h[c-n:c] == h[-n:], c < len(h)."""
+    """Each c < len(h) whose longest match h[c-n:c] == h[-n:] has min_n <= n <= max_n, as (n, c)."""
     L = len(h)
-    return [(n, c) for n in range(min_n, max_n + 1) for c in range(n, L) if L >= n and h[c - n:c] == h[L - n:]]
+    out = []
+    for c in range(1, L):
+        n = max((n for n in range(1, max_n + 1) if c >= n and h[c - n:c] == h[L - n:]), default=0)
+        if n >= min_n:
+            out.append((n, c))
+    return out
 
 
 @settings(max_examples=150, deadline=None)
@@ -106,10 +111,27 @@ def test_property_paths_are_real_continuations(hist, other, k, s, min_n, extra, 
         assert any(hist[c:c + len(path)] == path for _, c in matches), (hist, path)
         sib = [i for i in range(1, n_nodes) if parent[i] == parent[j] and i != j]
         assert all(tokens[i] != tokens[j] for i in sib)  # a trie: siblings differ
-    if matches:  # the best match (longest n, then most recent) is the first chain
-        n_best = max(n for n, _ in matches)
-        c = max(c for n, c in matches if n == n_best)
-        want = hist[c:c + min(s, n_nodes - 1)]
+    ranked = sorted(matches, key=lambda m: (-m[0], -m[1]))  # longest n, then most recent
+    if k == 1:  # a chain: the best match's continuation
+        want = hist[ranked[0][1]:ranked[0][1] + min(s, n_nodes - 1)] if matches else []
         assert tokens[1:1 + len(want)] == want and parent[1:1 + len(want)] == list(range(len(want)))
-    else:
-        assert all(p == -1 for p in parent)
+        assert all(p == -1 for p in parent[1 + len(want):])
+        return
+    # a trie: the 4k best matches vote 2^n for each node of their continuation; the n_nodes-1 nodes with the
+    # most votes are kept (ties: the better match, then the shallower node), in that order
+    votes, first = {}, {}
+    for r, (n, c) in enumerate(ranked[:4 * k]):
+        cont = hist[c:c + s]
+        for d in range(1, len(cont) + 1):
+            votes[tuple(cont[:d])] = votes.get(tuple(cont[:d]), 0) + 2 ** n
+            first.setdefault(tuple(cont[:d]), r)
+    best = sorted(votes, key=lambda p: (-votes[p], first[p], len(p)))[:n_nodes - 1]
+    got = []
+    for j in range(1, n_nodes):
+        path, v = [], j
+        while v > 0:
+            path.append(tokens[v])
+            v = parent[v]
+        if parent[j] >= 0:
+            got.append(tuple(reversed(path)))
+    assert got == best, (hist, got, best)
