@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.models.attention_batch import AttentionBatch
+from specpipe.models.attention_batch import AttentionBatch, sdpa_mask
 
 
 class KVPool:
@@ -166,15 +166,19 @@ class Attention(nn.Module):
         flat_kv = kv_slots.reshape(-1)  # index_select is ~2x faster than advanced indexing here
         keys = ks.index_select(0, flat_kv).view(*kv_slots.shape, self.n_kv, self.hd).to(q.dtype)  # [B, Lkv, Hkv, D]
         vals = vs.index_select(0, flat_kv).view(*kv_slots.shape, self.n_kv, self.hd).to(q.dtype)
-        mask = batch.mask
-        if self.window is not None and batch.kv_positions is not None:
-            dist = batch.positions[:, :, None] - batch.kv_positions[:, None, :]  # [B, Q, Lkv]
-            mask = mask & (dist < self.window)
-        if self.top_k is not None and batch.kv_positions is not None:
-            mask = sparse_select(q, keys, mask, batch.positions, batch.kv_positions, self.top_k, self.local)
-            if kv.track_selection and batch.observe is not None:
-                batch.observe(layer, batch, mask, kv.token_bytes, self.top_k + self.local)
-        # a fully masked row (padding query) would give NaN: let it see column 0 instead
-        mask = mask | (~mask.any(-1, keepdim=True) & (torch.arange(mask.shape[-1], device=mask.device) == 0))
+        windowed = self.window is not None and batch.kv_positions is not None
+        sparse = self.top_k is not None and batch.kv_positions is not None
+        if windowed or sparse:
+            mask = batch.mask
+            if windowed:
+                dist = batch.positions[:, :, None] - batch.kv_positions[:, None, :]  # [B, Q, Lkv]
+                mask = mask & (dist < self.window)
+            if sparse:
+                mask = sparse_select(q, keys, mask, batch.positions, batch.kv_positions, self.top_k, self.local)
+                if kv.track_selection and batch.observe is not None:
+                    batch.observe(layer, batch, mask, kv.token_bytes, self.top_k + self.local)
+            mask = sdpa_mask(mask)
+        else:
+            mask = batch.dense_mask()  # the same for every dense layer: built once per forward
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                              attn_mask=mask[:, None], enable_gqa=True)
+                                              attn_mask=mask, enable_gqa=True)

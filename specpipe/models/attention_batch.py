@@ -29,6 +29,7 @@ class AttentionBatch:
     swa_kv_slots: Optional[Tensor] = None  # [B, Lkv] window-pool slots of kv_slots (0 = evicted/padding)
     observe: Optional[Callable] = None  # observe(layer, batch, selected [B,Q,Lkv], token_bytes, budget) (hisparse)
     _read_slots: Optional[tuple] = None  # memo of read_slots()
+    _dense_mask: Optional[Tensor] = None  # memo of dense_mask()
 
     def read_slots(self) -> tuple[Tensor, Optional[Tensor]]:
         """kv_slots (and swa_kv_slots) with every column no query may see re-pointed at slot 0.
@@ -43,9 +44,22 @@ class AttentionBatch:
             self._read_slots = (torch.where(seen, self.kv_slots, zero), swa)
         return self._read_slots
 
+    def dense_mask(self) -> Tensor:
+        """`mask` as SDPA's [B, 1, Q, Lkv] attn_mask (see sdpa_mask), computed once per forward."""
+        if self._dense_mask is None:
+            self._dense_mask = sdpa_mask(self.mask)
+        return self._dense_mask
+
     @property
     def batch_size(self) -> int:
         return self.positions.shape[0]
+
+
+def sdpa_mask(mask: Tensor) -> Tensor:
+    """[B, Q, Lkv] -> [B, 1, Q, Lkv]; a fully masked row (a padding query) sees column 0 instead,
+    since softmax over no keys is NaN."""
+    col0 = torch.arange(mask.shape[-1], device=mask.device) == 0
+    return (mask | (~mask.any(-1, keepdim=True) & col0))[:, None]
 
 
 def extend_batch(
