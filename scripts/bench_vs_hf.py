@@ -160,7 +160,7 @@ def breakdown(m: dict, outer_wall: float) -> dict:
     return {"steps": steps, "ms_per_step": 1000 * (m["wall_s"] - stage.get("prefill", 0.0) * steps / 1000) / steps,
             "staged_ms_per_step": step_total, "draft_ms": draft, "target_ms": target,
             "host_ms": step_total - draft - target, "prefill_s": stage.get("prefill", 0.0) * steps / 1000,
-            "loop_s": m["wall_s"], "setup_s": outer_wall - m["wall_s"]}
+            "loop_s": m["wall_s"], "setup_s": outer_wall - m["wall_s"], "layout": m.get("weight_layout", {})}
 
 
 # ---------------------------------------------------------------------------------------- the benchmark
@@ -416,6 +416,10 @@ def main() -> None:
           "tokens / full target forwards (prefill included, hook on the last layer)")
     for name, what in hf_batched.items():
         print(f"HF assisted generation ({name}) at batch {B}: {what}")
+    for m in methods:  # specpipe's Linear weight storage (device.weight_layout=auto), as chosen for each method
+        if m.detail and "layout" in m.detail:
+            print(f"specpipe weight layout, {m.name} b{m.batch}: " + ", ".join(
+                f"{k.split()[0]} {v['layout']}" for k, v in m.detail["layout"].items()))
 
     # ---- the targets
     def ratio(a, b):
