@@ -201,10 +201,11 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         r.seed = request_seed(base_seed, r.index, it.get("seed"))
     spec = cfg.draft.method != "none"
     step_rows = cfg.workload.batch_size * (cfg.draft.num_draft_tokens if spec else 1)  # rows of a verify forward
-    layout = device.lay_out_weights([pair.target, pair.draft, getattr(pair, "standalone", None)], (1, step_rows))
+    models = [pair.target, pair.draft, getattr(pair, "standalone", None)]
+    layout = device.lay_out_weights(models, (1, step_rows))
     metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,
                       cfg.draft.num_draft_tokens if spec else 2)
-    metrics.attach_model_timer([pair.target, pair.draft, getattr(pair, "standalone", None)], device.synchronize)
+    metrics.attach_model_timer(models, device.synchronize)
     pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
     compiles_before = recompile_count()
     try:
