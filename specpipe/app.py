@@ -117,7 +117,8 @@ def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, d
                              fused_topk=bool(cfg.compile.draft_topk.fused))
     if d.method == "ngram":
         return NgramProposer(d.topk, d.num_steps, d.num_draft_tokens, d.min_n, d.max_n, max_requests, max_context,
-                             device.torch_device)
+                             device.torch_device, cache_tokens=d.get("cache_tokens", 0),
+                             cache_prompts=bool(d.get("cache_prompts", False)))
     if d.method == "standalone":
         from specpipe.drafters.standalone import StandaloneDrafter
 

@@ -45,6 +45,14 @@ def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
 def reword(exc: Exception, overrides: list[str]) -> str:
     """One paragraph naming the bad key/value and what would be valid."""
     msg = str(exc)
+    cause = exc.__cause__
+    if "Error merging override" in msg and cause is not None and "full_key" in str(cause):
+        msg = str(cause)  # the validation error behind it names the key and the expected type
+        m = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)\s+full_key: ([\w.]+)", msg, re.S)
+        if m:
+            val, typ, key = m.groups()
+            kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(typ, typ)
+            return f"specpipe: invalid value for {key}: {val!r} is not {kind}; give {key}=<{kind}>."
     bad = next((o for o in overrides if "(" in o and "=" in o), None)
     if "Error parsing override" in msg and bad is not None:
         key, val = bad.split("=", 1)

@@ -5,6 +5,7 @@ Each proposer keeps its own per-request state and implements
   keep(keep_t)                                                  when finished requests leave
   propose(pipe, rows_t, L, L_t) -> (Tree, draft_probs | None)   one draft round
   after_verify(pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
+  finish(reqs)                                                  requests that completed (not retracted)
 so the verify/commit code in `spec_pipeline` is shared by every drafter.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from specpipe.drafters.ngram import NgramDrafter
+from specpipe.drafters.suffix import SuffixCache
 from specpipe.models.attention_batch import extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket
 from specpipe.stages.build_tree import BuildTree, Tree
@@ -54,6 +56,9 @@ class EagleProposer:
         self.topk_p, self.topk_index = self.topk_p[keep_t], self.topk_index[keep_t]
         self.draft_hidden = self.draft_hidden[keep_t]
 
+    def finish(self, reqs) -> None:
+        pass
+
     @property
     def scratch_width(self) -> int:
         return draft_columns("eagle", self.S)
@@ -92,11 +97,16 @@ class EagleProposer:
 
 
 class NgramProposer:
-    """Prompt lookup: drafts continuations of the request's own context; no model, no KV."""
+    """Prompt lookup: drafts continuations of the request's own context; no model, no KV.
+
+    With cache_tokens > 0 it also matches in a `SuffixCache` of the newest finished requests'
+    outputs (and prompts, with cache_prompts): suffix decoding across requests."""
 
     def __init__(self, topk: int, num_steps: int, num_draft_tokens: int, min_n: int, max_n: int,
-                 max_requests: int, max_context: int, device):
+                 max_requests: int, max_context: int, device, cache_tokens: int = 0, cache_prompts: bool = False):
         self.drafter = NgramDrafter(num_steps, topk, num_draft_tokens, min_n, max_n)
+        self.cache = SuffixCache(cache_tokens, device) if cache_tokens > 0 else None
+        self.cache_prompts = cache_prompts
         self.K = topk
         self.bad = None
         self.S = num_steps
@@ -113,12 +123,21 @@ class NgramProposer:
     def keep(self, keep_t) -> None:
         pass
 
+    def finish(self, reqs) -> None:
+        """Completed requests (errors excluded) join the cross-request cache, if there is one."""
+        if self.cache is None:
+            return
+        for r in reqs:
+            if r.error is None and r.output_ids:
+                self.cache.add((list(r.prompt_ids) if self.cache_prompts else []) + list(r.output_ids))
+
     scratch_width = draft_columns("ngram", 0)  # no model, no draft KV
 
     def propose(self, pipe, rows_t, L, L_t):
         width = int(L.max()) + 1
         ctx = self.tokens[rows_t, :width]
-        return self.drafter.propose(ctx, L_t + 1, L_t), None
+        corpus = None if self.cache is None else self.cache.tokens
+        return self.drafter.propose(ctx, L_t + 1, L_t, corpus), None
 
     def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
         d = torch.arange(commit.shape[1], device=commit.device)
@@ -144,6 +163,9 @@ class StandaloneProposer:
         self.sd.prefill(ids, batch)
 
     def keep(self, keep_t) -> None:
+        pass
+
+    def finish(self, reqs) -> None:
         pass
 
     @property

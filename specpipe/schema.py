@@ -138,6 +138,8 @@ class NgramDraftConf(DraftConf):
     num_draft_tokens: int = 5
     min_n: int = 1  # shortest n-gram to match
     max_n: int = 3  # longest n-gram to match (tried first)
+    cache_tokens: int = 0  # also match in the newest finished requests' outputs, up to this many tokens (0: off)
+    cache_prompts: bool = False  # the cache keeps each finished request's prompt too, not only its output
 
 
 @dataclass

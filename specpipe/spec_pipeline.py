@@ -38,6 +38,12 @@ class SpecPipeline(Pipeline):
         super().keep(keep_t)
         self.proposer.keep(keep_t)
 
+    def drop_finished(self) -> list:
+        done = super().drop_finished()
+        if done:
+            self.proposer.finish(done)
+        return done
+
     def scratch_tokens(self, batch_size: int) -> int:
         per_request = scratch_tokens_per_request(self.prep.ps, self.proposer.K, self.proposer.scratch_width)
         return batch_size * per_request

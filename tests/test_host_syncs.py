@@ -20,6 +20,7 @@ READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "
     ["draft.topk=4", "draft.num_steps=3"],
     ["draft.topk=1", "draft.num_steps=4", "allocator=paged", "allocator.page_size=16"],
     ["draft=ngram"],
+    ["draft=suffix", "workload.num_prompts=4"],  # the second pair drafts from the first pair's outputs too
     ["draft=none"],
 ])
 def test_one_host_read_per_step(monkeypatch, overrides):

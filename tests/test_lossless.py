@@ -75,6 +75,7 @@ def test_stop_token_mid_path_matches_baseline(prompts_file):
 @pytest.mark.parametrize("drafter", [
     ["draft=ngram", "draft.topk=1", "draft.num_steps=4"],
     ["draft=ngram", "draft.topk=3", "draft.num_steps=3", "draft.num_draft_tokens=7", "draft.max_n=2"],
+    ["draft=suffix", "draft.num_steps=4", "draft.num_draft_tokens=9", "draft.cache_tokens=64"],  # evicts
     ["draft=standalone", "draft.topk=1", "draft.num_steps=3"],
     ["draft=standalone", "draft.topk=2", "draft.num_steps=3", "draft.num_draft_tokens=6"],
 ])

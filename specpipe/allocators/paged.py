@@ -105,8 +105,11 @@ class PagedAllocator(KVAllocator):
             raise AssertionError(f"extend_num_tokens={extend_num_tokens} passed, lengths give {tokens}")
         if bool((seq_lens < prefix_lens).any()):
             raise AssertionError("seq_lens < prefix_lens")
-        bad = (prefix_lens > 0) & ((last_loc + 1) % ps != prefix_lens % ps)
-        if bool((bad | ((prefix_lens > 0) & (last_loc <= 0))).any()):
+        # last_loc is read only to continue a partly filled page: a page-aligned prefix may have none
+        # (SWA's window pool, after the whole prefix left the window and the tail was freed back to it)
+        none = last_loc <= 0
+        bad = (prefix_lens > 0) & torch.where(none, prefix_lens % ps != 0, (last_loc + 1) % ps != prefix_lens % ps)
+        if bool(bad.any()):
             raise AssertionError(f"last_loc not page-aligned with prefix_lens: {last_loc.tolist()}")
 
     # ---- free ---------------------------------------------------------------------------

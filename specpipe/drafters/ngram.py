@@ -38,6 +38,8 @@ from torch import Tensor
 from specpipe.drafters.tree import tree_from_parents
 from specpipe.stages.build_tree import Tree
 
+SEP = -1  # separates texts in a context (never a token id): no match and no continuation crosses it
+
 
 def pack_histories(histories: Sequence[Sequence[int]], device=None) -> tuple[Tensor, Tensor]:
     """Lists of token ids -> (context [B, Lmax] int64 zero padded, lengths [B] int64)."""
@@ -51,8 +53,8 @@ def pack_histories(histories: Sequence[Sequence[int]], device=None) -> tuple[Ten
 class NgramDrafter:
     def __init__(self, num_steps: int, topk: int = 1, num_draft_tokens: Optional[int] = None, min_n: int = 1,
                  max_n: int = 3, candidates: Optional[int] = None):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if not 1 <= min_n <= max_n <= 255:
+            raise ValueError(f"need 1 <= min_n <= max_n <= 255, got min_n={min_n}, max_n={max_n}")
         self.S, self.K = num_steps, topk
         self.N = num_draft_tokens if num_draft_tokens is not None else 1 + topk * num_steps
         if not 2 <= self.N <= 1 + topk * num_steps:
@@ -64,16 +66,15 @@ class NgramDrafter:
     def match_lengths(self, context: Tensor, lengths: Tensor) -> Tensor:
         """[B, L]: for each continuation start c, how many (<= max_n) tokens before c equal the tail."""
         B, L = context.shape
-        pos = torch.arange(L, device=context.device)
         run = torch.ones((B, L), dtype=torch.bool, device=context.device)
-        n = torch.zeros((B, L), dtype=torch.int64, device=context.device)
-        for t in range(self.max_n):
-            a = pos - 1 - t  # history index compared with the tail's token t from the end
-            s = lengths - 1 - t
+        n = torch.zeros((B, L), dtype=torch.uint8, device=context.device)  # max_n <= 255 (checked in __init__)
+        for t in range(min(self.max_n, L - 1)):
+            s = lengths - 1 - t  # the tail's token t from the end, compared with history index c - 1 - t
             tail = context.gather(1, s.clamp(min=0)[:, None])  # [B, 1]
-            run = run & (a >= 0)[None, :] & (s >= 0)[:, None] & (context[:, a.clamp(min=0)] == tail)
-            n = n + run.to(torch.int64)
-        return n
+            eq = (context[:, : L - 1 - t] == tail) & ((s >= 0)[:, None] & (tail != SEP))  # the tail ends at a SEP too
+            run = torch.cat([run.new_zeros((B, t + 1)), run[:, t + 1:] & eq], 1)  # a bool shift, not a gather
+            n += run
+        return n.to(torch.int64)
 
     def candidates(self, context: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The M best matches' continuations: windows [B, M, S] (-1 past the end), their lengths
@@ -83,7 +84,7 @@ class NgramDrafter:
         dev = context.device
         pos = torch.arange(L, device=dev)
         n = self.match_lengths(context, lengths)
-        ok = (pos >= 1)[None, :] & (pos[None, :] < lengths[:, None]) & (n >= self.min_n)
+        ok = (pos >= 1)[None, :] & (pos[None, :] < lengths[:, None]) & (n >= self.min_n) & (context != SEP)
         score = torch.where(ok, n * (L + 1) + pos, torch.full_like(n, -1))  # longest n, then most recent
         M = self.M
         top, c = score.topk(min(L, M), dim=-1)  # [B, M']
@@ -97,13 +98,22 @@ class NgramDrafter:
         wlen = torch.where(cval, (lengths[:, None] - c).clamp(max=S), torch.zeros_like(c))
         inside = t < wlen[:, :, None]
         win = torch.where(inside, context.gather(1, idx.clamp(max=L - 1).reshape(B, -1)).view(B, M, S),
-                          torch.full_like(idx, -1))
-        return win, wlen, torch.where(cval, top // (L + 1), torch.zeros_like(top))
+                          torch.full_like(idx, SEP))
+        inside = (win != SEP).to(torch.int64).cumprod(-1)  # a continuation ends at its segment's separator
+        win = torch.where(inside > 0, win, torch.full_like(win, SEP))
+        return win, inside.sum(-1), torch.where(cval, top // (L + 1), torch.zeros_like(top))
 
-    def propose(self, context: Tensor, lengths: Tensor, seq_lens: Tensor) -> Tree:
+    def propose(self, context: Tensor, lengths: Tensor, seq_lens: Tensor, corpus: Optional[Tensor] = None) -> Tree:
         """context [B, Lmax] token history ending with the root (the last committed token) at
-        lengths[b]-1; seq_lens [B] the root's target position. Returns the draft `Tree` [B, N]."""
+        lengths[b]-1; seq_lens [B] the root's target position. Returns the draft `Tree` [B, N].
+
+        corpus [Lc]: more text to match in (`SuffixCache.tokens`: segments, each ending with SEP),
+        read as if it came before every request's history: a longer match there beats a shorter one
+        in the request's own context, and at equal n the request's own (more recent) match wins."""
         B = context.shape[0]
+        if corpus is not None and corpus.numel():
+            context = torch.cat([corpus.expand(B, -1), context], 1)
+            lengths = lengths + corpus.numel()
         S, N, M = self.S, self.N, self.M
         dev = context.device
         win, wlen, n = self.candidates(context, lengths)  # [B,M,S], [B,M], [B,M]

@@ -58,6 +58,9 @@ def test_debug_rejects_misaligned_last_loc_and_double_free():
     a = PagedAllocator(64, 4, debug=True)
     with pytest.raises(AssertionError, match="page-aligned"):
         a.alloc_extend(t([3]), t([5]), t([9]))           # slot 9 has offset 1, prefix 3 needs 2
+    with pytest.raises(AssertionError, match="page-aligned"):
+        a.alloc_extend(t([3]), t([5]), t([0]))           # a partly filled page needs its last slot
+    assert a.alloc_extend(t([4]), t([6]), t([0])).numel() == 2  # a whole-page prefix may have none (SWA peer)
     x = a.alloc(8)
     a.free(x)
     with pytest.raises(AssertionError, match="double free"):
