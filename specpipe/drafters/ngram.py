@@ -64,7 +64,7 @@ class NgramDrafter:
         self.M = candidates if candidates is not None else (1 if topk == 1 else 4 * topk)
 
     def match_lengths(self, context: Tensor, lengths: Tensor) -> Tensor:
-        """[B, L]: for each continuation start c, how many (<= max_n) tokens before c equal the tail."""
+        """[B, L] uint8: for each continuation start c, how many (<= max_n) tokens before c equal the tail."""
         B, L = context.shape
         run = torch.ones((B, L), dtype=torch.bool, device=context.device)
         n = torch.zeros((B, L), dtype=torch.uint8, device=context.device)  # max_n <= 255 (checked in __init__)
@@ -74,7 +74,7 @@ class NgramDrafter:
             eq = (context[:, : L - 1 - t] == tail) & ((s >= 0)[:, None] & (tail != SEP))  # the tail ends at a SEP too
             run = torch.cat([run.new_zeros((B, t + 1)), run[:, t + 1:] & eq], 1)  # a bool shift, not a gather
             n += run
-        return n.to(torch.int64)
+        return n
 
     def candidates(self, context: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The M best matches' continuations: windows [B, M, S] (-1 past the end), their lengths
@@ -82,23 +82,28 @@ class NgramDrafter:
         B, L = context.shape
         S = self.S
         dev = context.device
-        pos = torch.arange(L, device=dev)
+        # score n*(L+1) + c ranks the longest n, then the most recent c; a non-match scores c <= L-1, below
+        # every match (n >= 1). int32 while it fits: the [B, L] passes are what a long corpus costs
+        wide = (self.max_n + 1) * (L + 1) >= 2 ** 31
+        pos = torch.arange(L, device=dev, dtype=torch.int64 if wide else torch.int32)
+        ok = (pos >= 1)[None, :] & (pos[None, :] < lengths[:, None]) & (context != SEP)
         n = self.match_lengths(context, lengths)
-        ok = (pos >= 1)[None, :] & (pos[None, :] < lengths[:, None]) & (n >= self.min_n) & (context != SEP)
-        score = torch.where(ok, n * (L + 1) + pos, torch.full_like(n, -1))  # longest n, then most recent
+        n = n * (ok & (n >= self.min_n))
+        score = n.to(pos.dtype) * (L + 1) + pos
         M = self.M
         top, c = score.topk(min(L, M), dim=-1)  # [B, M']
+        top = top.to(torch.int64)
         if top.shape[1] < M:  # fewer history positions than M: pad with non-matches
             pad = M - top.shape[1]
-            top = torch.cat([top, top.new_full((B, pad), -1)], 1)
+            top = torch.cat([top, top.new_zeros((B, pad))], 1)
             c = torch.cat([c, c.new_zeros((B, pad))], 1)
-        cval = top >= 0
+        cval = top > L
         t = torch.arange(S, device=dev)
         idx = c[:, :, None] + t  # [B, M, S]
         wlen = torch.where(cval, (lengths[:, None] - c).clamp(max=S), torch.zeros_like(c))
         inside = t < wlen[:, :, None]
         win = torch.where(inside, context.gather(1, idx.clamp(max=L - 1).reshape(B, -1)).view(B, M, S),
-                          torch.full_like(idx, SEP))
+                          torch.full_like(idx, SEP, dtype=context.dtype))
         inside = (win != SEP).to(torch.int64).cumprod(-1)  # a continuation ends at its segment's separator
         win = torch.where(inside > 0, win, torch.full_like(win, SEP))
         return win, inside.sum(-1), torch.where(cval, top // (L + 1), torch.zeros_like(top))
@@ -111,8 +116,9 @@ class NgramDrafter:
         read as if it came before every request's history: a longer match there beats a shorter one
         in the request's own context, and at equal n the request's own (more recent) match wins."""
         B = context.shape[0]
+        context = context.to(torch.int32)  # token ids fit; halves what the scans read
         if corpus is not None and corpus.numel():
-            context = torch.cat([corpus.expand(B, -1), context], 1)
+            context = torch.cat([corpus.to(torch.int32).expand(B, -1), context], 1)
             lengths = lengths + corpus.numel()
         S, N, M = self.S, self.N, self.M
         dev = context.device
@@ -142,6 +148,6 @@ class NgramDrafter:
         par = torch.where(pt > 0, local.gather(1, up * S + (pt - 1).clamp(min=0)), torch.zeros_like(pt))
         root = context.gather(1, (lengths - 1).clamp(min=0)[:, None])  # [B,1]
         tok = win.reshape(B, M * S).gather(1, pick)
-        tokens = torch.cat([root, torch.where(picked, tok, root.expand(B, N - 1))], 1)
+        tokens = torch.cat([root, torch.where(picked, tok, root.expand(B, N - 1))], 1).to(torch.int64)
         parent = torch.cat([torch.full_like(root, -1), torch.where(picked, par, torch.full_like(par, -1))], 1)
         return tree_from_parents(tokens, parent, seq_lens, S)

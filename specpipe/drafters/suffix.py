@@ -25,7 +25,7 @@ class SuffixCache:
             raise ValueError(f"cache capacity must be >= 0 tokens, got {capacity}")
         self.capacity = capacity
         self.device = device
-        self.tokens = torch.empty(0, dtype=torch.int64, device=device)  # [Lc] texts, each followed by SEP
+        self.tokens = torch.empty(0, dtype=torch.int32, device=device)  # [Lc] texts, each followed by SEP
         self._lengths: deque[int] = deque()  # per text, its separator included, oldest first
         self.texts_added = 0
 
@@ -38,7 +38,7 @@ class SuffixCache:
         if keep < 1 or not len(ids):
             return
         text = list(ids)[-keep:]
-        seg = torch.as_tensor(text + [SEP], dtype=torch.int64).to(self.device)
+        seg = torch.as_tensor(text + [SEP], dtype=torch.int32).to(self.device)
         self.tokens = torch.cat([self.tokens, seg])
         self._lengths.append(len(seg))
         drop = 0
