@@ -66,7 +66,7 @@ class SpecPipeline(Pipeline):
     def accept(self, logits, tree, draft_probs, L_t):
         """Greedy walk, or lossless sampling (rejection sampling for sampled chains, else target-only)."""
         if self.sampling.greedy:
-            return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent)
+            return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)
         s = self.sampling
         probs = self.verify_sampling.probs(logits, s.temperature, s.top_p, s.top_k)
         if draft_probs is not None:

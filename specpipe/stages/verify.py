@@ -37,24 +37,26 @@ class Verify(Stage):
         return target_features(self.model, tokens, batch, self.feature_layers)
 
     @branch
-    def greedy(self, predict: Tensor, tokens: Tensor, parent: Tensor):
-        """predict [B,N] target argmax per node, tokens [B,N], parent [B,N] ->
-        accept_index [B, S+1] local nodes on the accepted path (-1 padded), accept_len [B] drafts accepted,
-        commit [B, S+1] tokens committed this round (accepted drafts then the bonus; valid up to accept_len)."""
-        B = tokens.shape[0]
-        dev = tokens.device
-        cur = torch.zeros(B, dtype=torch.int64, device=dev)
-        alive = torch.ones(B, dtype=torch.bool, device=dev)
-        count = torch.zeros(B, dtype=torch.int64, device=dev)
-        path = [cur]
-        for _ in range(self.num_steps):
-            want = predict.gather(1, cur[:, None])  # [B, 1] token the target puts after cur
-            match = (parent == cur[:, None]) & (tokens == want)  # [B, N] siblings hold distinct tokens
-            alive = alive & match.any(-1)
-            nxt = match.to(torch.int64).argmax(-1)
-            cur = torch.where(alive, nxt, cur)
-            count = count + alive.to(torch.int64)
-            path.append(torch.where(alive, nxt, torch.full_like(nxt, -1)))
-        accept_index = torch.stack(path, 1)  # [B, S+1]
+    def greedy(self, predict: Tensor, tokens: Tensor, parent: Tensor, mask: Tensor):
+        """predict [B,N] target argmax per node, tokens [B,N], parent [B,N], mask [B,N,N] (node j sees its
+        ancestors and itself) -> accept_index [B, S+1] local nodes on the accepted path (-1 padded),
+        accept_len [B] drafts accepted, commit [B, S+1] tokens committed this round (accepted drafts then
+        the bonus; valid up to accept_len).
+
+        All nodes at once, not a walk of S rounds: a node matches when its token is the target's argmax at
+        its parent (the first such sibling, should siblings repeat a token), and it is accepted when it and
+        every ancestor match; accepted nodes form one root path, one per depth."""
+        B, N = tokens.shape
+        S = self.num_steps
+        ar = torch.arange(N, device=tokens.device)
+        ok = (parent >= 0) & (tokens == predict.gather(1, parent.clamp(min=0)))
+        earlier_sibling = (parent[:, :, None] == parent[:, None, :]) & (ar[None, :] < ar[:, None])  # [B, j, k]
+        ok = (ok & ~(earlier_sibling & ok[:, None, :]).any(-1)) | (ar == 0)
+        on_path = ~(mask & ~ok[:, None, :]).any(-1) & mask[:, :, 0]  # [B, N], the root included
+        depth = mask.sum(-1) - 1
+        slot = torch.where(on_path & (depth <= S), depth, torch.full_like(depth, S + 1))
+        accept_index = torch.full((B, S + 2), -1, dtype=torch.int64, device=tokens.device)
+        accept_index = accept_index.scatter(1, slot, ar.expand(B, N))[:, : S + 1]  # column S+1: the rest
+        count = (accept_index[:, 1:] >= 0).sum(-1)
         commit = predict.gather(1, accept_index.clamp(min=0))  # [B, S+1]
         return accept_index, count, commit

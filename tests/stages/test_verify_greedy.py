@@ -1,5 +1,8 @@
-"""Greedy tree verification on hand-worked trees, and stopping at EOS inside an accepted path."""
+"""Greedy tree verification on hand-worked trees, against a node-by-node walk on random trees, and
+stopping at EOS inside an accepted path."""
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specpipe.metrics import Metrics
 from specpipe.pipeline import Pipeline, Request
@@ -10,8 +13,21 @@ TOKENS = torch.tensor([[10, 11, 12, 13, 14]])
 PARENT = torch.tensor([[-1, 0, 0, 2, -1]])
 
 
+def ancestors(parent: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] node j sees itself and its ancestors (a plain walk up the parents)."""
+    B, N = parent.shape
+    mask = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        for j in range(N):
+            v = j
+            while v >= 0:
+                mask[b, j, v] = True
+                v = int(parent[b, v])
+    return mask
+
+
 def greedy(predict, S=2):
-    return Verify(None, S).greedy(torch.tensor([predict]), TOKENS, PARENT)
+    return Verify(None, S).greedy(torch.tensor([predict]), TOKENS, PARENT, ancestors(PARENT))
 
 
 def test_accepts_the_matching_path_and_adds_the_bonus():
@@ -43,9 +59,35 @@ def test_batch_of_two_requests_independent():
     v = Verify(None, 2)
     toks = torch.cat([TOKENS, TOKENS])
     par = torch.cat([PARENT, PARENT])
-    acc, count, commit = v.greedy(torch.tensor([[12, 0, 13, 99, 0], [11, 42, 0, 0, 0]]), toks, par)
+    acc, count, commit = v.greedy(torch.tensor([[12, 0, 13, 99, 0], [11, 42, 0, 0, 0]]), toks, par, ancestors(par))
     assert count.tolist() == [2, 1]
     assert commit[1, :2].tolist() == [11, 42]
+
+
+def walk(predict, tokens, parent, S):
+    """The definition: from the root, S times, step to the first child whose token the target predicts."""
+    acc, cur = [0], 0
+    for _ in range(S):
+        nxt = next((j for j in range(len(tokens)) if parent[j] == cur and tokens[j] == predict[cur]), None)
+        if nxt is None:
+            break
+        acc.append(nxt)
+        cur = nxt
+    return acc + [-1] * (S + 1 - len(acc)), len(acc) - 1, [predict[j] for j in acc]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(1, 12), S=st.integers(1, 6), vocab=st.integers(1, 3))
+def test_property_equals_a_walk_from_the_root(data, n, S, vocab):
+    """Random forests (unlinked nodes, repeated sibling tokens, paths deeper than S) over a tiny vocabulary."""
+    parent = [-1] + [data.draw(st.integers(-1, j - 1)) for j in range(1, n)]
+    tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    predict = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    par = torch.tensor([parent])
+    acc, count, commit = Verify(None, S).greedy(torch.tensor([predict]), torch.tensor([tokens]), par, ancestors(par))
+    want_acc, want_count, want_commit = walk(predict, tokens, parent, S)
+    assert acc[0].tolist() == want_acc and int(count[0]) == want_count
+    assert commit[0, : want_count + 1].tolist() == want_commit
 
 
 def make_pipeline(eos):

@@ -84,7 +84,7 @@ def test_greedy_rows_match_verify_greedy(K, S, N):
     zeros = torch.zeros(B)
     probs = process_logits(logits, zeros, torch.ones(B), torch.zeros(B, dtype=torch.long))
     acc, count, commit = VerifySampling(S).sample(probs, tree.tokens, tree.parent, torch.arange(B), zeros.long())
-    g_acc, g_count, g_commit = Verify(None, S).greedy(logits.argmax(-1), tree.tokens, tree.parent)
+    g_acc, g_count, g_commit = Verify(None, S).greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)
     assert torch.equal(acc, g_acc) and torch.equal(count, g_count)
     keep = torch.arange(S + 1) <= count[:, None]
     assert torch.equal(commit[keep], g_commit[keep])
