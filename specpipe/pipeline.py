@@ -15,7 +15,7 @@ from torch import Tensor
 
 from specpipe.metrics import Metrics
 from specpipe.sampling import SamplingState
-from specpipe.models.attention_batch import extend_batch
+from specpipe.models.attention_batch import AttentionBatch, extend_batch
 from specpipe.stages.prepare_decode import PrepareDecode
 
 
@@ -67,6 +67,7 @@ class Pipeline:
         self.last_token = torch.zeros(0, dtype=torch.int64, device=self.dev)  # [B]
         self.sampling = sampling or SamplingState(0.0, 1.0, 0, self.dev)
         self.feature_layers = None  # EAGLE-3 drafters read these target layers instead of the final hidden
+        self._target_dense: Optional[bool] = None
 
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
@@ -159,16 +160,48 @@ class Pipeline:
         batch = self.prep.decorate(extend_batch(self.prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T)))
         batch.fresh_causal = True
         last = lens_t - 1
+        packed = self.pack_prefill(batch, lens, T) if len(reqs) > 1 and int(lens.min()) < T else None
+        fwd_ids, fwd_batch = (ids, batch) if packed is None else (ids.reshape(1, -1)[:, packed[0]], packed[1])
         if self.feature_layers:
             from specpipe.models.eagle3 import target_forward_aux
 
-            final, hidden = target_forward_aux(self.target, ids, batch, self.feature_layers)  # hidden: features
+            final, hidden = target_forward_aux(self.target, fwd_ids, fwd_batch, self.feature_layers)  # hidden: features
         else:
-            final = hidden = self.target(ids, batch)  # [B, T, H]
+            final = hidden = self.target(fwd_ids, fwd_batch)  # [B, T, H]
+        if packed is not None:  # back to [B, T, ...] (zeros at padding) for the drafters' join
+            final, hidden = (self.unpack(x, packed[0], len(reqs), T) for x in (final, hidden))
         logits = self.target.logits(final[torch.arange(len(reqs), device=self.dev), last])  # [B, V]
         self.prep.commit(rows_np, lens)
         self.prep.after_commit(rows_np)
         return rows_np, ids, hidden, batch, last, logits
+
+    def pack_prefill(self, batch, lens: np.ndarray, T: int):
+        """Requests of different lengths as one row without padding: (flat index of each real token in the
+        padded [B, T] layout, the packed AttentionBatch), or None when a layer needs the padded form
+        (sliding-window or sparse layers attend through the pool, not causally over the fresh K/V)."""
+        if not self.target_dense:
+            return None
+        flat = torch.from_numpy(np.concatenate([b * T + np.arange(n) for b, n in enumerate(lens)])).to(self.dev)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        slots = batch.out_slots.reshape(1, -1)[:, flat]
+        packed = AttentionBatch(positions=batch.positions.reshape(1, -1)[:, flat], out_slots=slots, kv_slots=slots,
+                                mask=torch.ones((1, 1, 1), dtype=torch.bool, device=self.dev), fresh_causal=True,
+                                segments=tuple((int(a), int(n)) for a, n in zip(starts, lens)))
+        return flat, self.prep.decorate(packed)
+
+    @staticmethod
+    def unpack(x: Tensor, flat: Tensor, B: int, T: int) -> Tensor:
+        """[1, sum(lens), ...] packed rows -> [B, T, ...] padded (zeros at the padding)."""
+        out = x.new_zeros((B * T, *x.shape[2:]))
+        return out.index_copy_(0, flat, x[0]).view(B, T, *x.shape[2:])
+
+    @property
+    def target_dense(self) -> bool:
+        """Every target layer attends fully and densely (no sliding window, no sparse top-k)."""
+        if self._target_dense is None:
+            attn = [m for m in self.target.modules() if hasattr(m, "window") and hasattr(m, "top_k")]
+            self._target_dense = bool(attn) and all(m.window is None and m.top_k is None for m in attn)
+        return self._target_dense
 
     def admit(self, reqs: list[Request]) -> bool:
         """Prefill and join the running batch; False (nothing changed) when the KV pool is too full."""

@@ -141,13 +141,12 @@ class Attention(nn.Module):
 
     def _pool_attention(self, q: Tensor, k: Tensor, v: Tensor, batch: AttentionBatch, kv: KVPool) -> Tensor:
         layer = self.layer_idx
-        read, swa_read = batch.read_slots()
-        out_slots, kv_slots = batch.out_slots, read
+        out_slots = batch.out_slots
         if kv.windowed[layer]:  # this layer's storage is the window pool: use translated slots
             if batch.swa_kv_slots is None:
                 raise RuntimeError(f"layer {layer} keeps its K/V in the window pool, but the batch has no "
                                    "window-pool slots (build it through PrepareDecode.decorate with allocator=swa)")
-            out_slots, kv_slots = batch.swa_out_slots, swa_read
+            out_slots = batch.swa_out_slots
         ks, vs = kv.layer(layer)
         flat = out_slots.reshape(-1)
         ks.index_copy_(0, flat, k.reshape(-1, self.n_kv, self.hd).to(ks.dtype))
@@ -161,8 +160,16 @@ class Attention(nn.Module):
             # so a causal kernel over the fresh K/V (as stored, dtype round trip included) is exact and
             # skips the pool gather, the explicit mask and the masked half of the scores
             kq, vq = k.to(ks.dtype).to(q.dtype), v.to(vs.dtype).to(q.dtype)
-            return F.scaled_dot_product_attention(q.transpose(1, 2), kq.transpose(1, 2), vq.transpose(1, 2),
-                                                  is_causal=True, enable_gqa=True)
+            if batch.segments is None:
+                return F.scaled_dot_product_attention(q.transpose(1, 2), kq.transpose(1, 2), vq.transpose(1, 2),
+                                                      is_causal=True, enable_gqa=True)
+            return torch.cat([F.scaled_dot_product_attention(  # packed requests: causal within each one
+                q[:, a:a + n].transpose(1, 2), kq[:, a:a + n].transpose(1, 2), vq[:, a:a + n].transpose(1, 2),
+                is_causal=True, enable_gqa=True) for a, n in batch.segments], 2)
+        if batch.segments is not None:
+            raise RuntimeError("a packed batch (segments) is only valid for a fresh prefill of dense layers")
+        read, swa_read = batch.read_slots()
+        kv_slots = swa_read if kv.windowed[layer] else read
         flat_kv = kv_slots.reshape(-1)  # index_select is ~2x faster than advanced indexing here
         keys = ks.index_select(0, flat_kv).view(*kv_slots.shape, self.n_kv, self.hd).to(q.dtype)  # [B, Lkv, Hkv, D]
         vals = vs.index_select(0, flat_kv).view(*kv_slots.shape, self.n_kv, self.hd).to(q.dtype)

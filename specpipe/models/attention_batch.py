@@ -24,6 +24,9 @@ class AttentionBatch:
     # every request starts at position 0 and its queries are right-padded (a fresh prefill): dense layers
     # may attend causally over this forward's own K/V instead of gathering them back from the pool
     fresh_causal: bool = False
+    # a packed fresh prefill (B = 1): (start, length) of each request's queries along the row; attention stays
+    # within each segment, so requests of different lengths share one forward without padding
+    segments: Optional[tuple] = None
     # allocator views added by PrepareDecode.decorate (None for plain allocators):
     swa_out_slots: Optional[Tensor] = None  # [B, Q] window-pool slots of out_slots (allocator=swa)
     swa_kv_slots: Optional[Tensor] = None  # [B, Lkv] window-pool slots of kv_slots (0 = evicted/padding)
