@@ -223,6 +223,9 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
 
     summary["autotune"] = collect_decisions(getattr(pipe, "stages", []))  # compile=auto choices + timings
     summary["weight_layout"] = layout  # per Linear shape: the layout kept (and what auto measured)
+    cache = getattr(getattr(pipe, "proposer", None), "cache", None)
+    if cache is not None:  # draft=suffix: what the cross-request cache held at the end
+        summary["draft_cache"] = {"tokens": len(cache), "capacity": cache.capacity, "texts_added": cache.texts_added}
     summary["model_loads_in_process"] = MODEL_LOADS[0]  # 1 in every job of an in-process sweep: weights reused
     summary["config"] = to_container(cfg)
     if out_dir is not None:

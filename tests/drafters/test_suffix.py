@@ -120,3 +120,4 @@ def test_repeated_requests_draft_from_earlier_outputs(prompts_file):
     al_off, al_on = off["metrics"]["accept_length_mean"], on["metrics"]["accept_length_mean"]
     assert al_on > al_off + 1.0, (al_on, al_off)
     assert on["metrics"]["kv_leaked_slots"] == 0
+    assert on["metrics"]["draft_cache"]["texts_added"] == 6 and "draft_cache" not in off["metrics"]
