@@ -121,3 +121,18 @@ def test_repeated_requests_draft_from_earlier_outputs(prompts_file):
     assert al_on > al_off + 1.0, (al_on, al_off)
     assert on["metrics"]["kv_leaked_slots"] == 0
     assert on["metrics"]["draft_cache"]["texts_added"] == 6 and "draft_cache" not in off["metrics"]
+
+
+@pytest.mark.parametrize("cache_prompts", [False, True])
+def test_finished_requests_feed_the_cache_errors_do_not(cache_prompts):
+    from specpipe.pipeline import Request
+    from specpipe.proposers import NgramProposer
+
+    prop = NgramProposer(4, 3, 9, 1, 3, max_requests=2, max_context=32, device="cpu", cache_tokens=100,
+                         cache_prompts=cache_prompts)
+    ok = Request(0, "x", [1, 2, 3], max_new_tokens=4, output_ids=[7, 8], finish_reason="length")
+    bad = Request(1, "y", [4, 5], max_new_tokens=4, output_ids=[9], finish_reason="error", error="NaN")
+    prop.finish([ok, bad])
+    want = ([1, 2, 3] if cache_prompts else []) + [7, 8, SEP]
+    assert prop.cache.tokens.tolist() == want
+    assert NgramProposer(4, 3, 9, 1, 3, 2, 32, "cpu").cache is None  # cache_tokens=0: prompt lookup only
