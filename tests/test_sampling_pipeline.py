@@ -2,7 +2,7 @@
 
 A tiny random model over a 6-token vocabulary decodes 3 tokens for thousands of requests (each
 with its own seed); the joint law of the 3 tokens is compared with the exact target law
-(computed by enumeration) by a chi-square test. alpha = 1e-4 per test: with the 6 tests here,
+(computed by enumeration) by a chi-square test. alpha = 1e-4 per test: with the 7 tests here,
 the false-alarm rate of the file is below 0.1 %. A deliberately wrong verifier is caught.
 """
 import itertools
@@ -65,6 +65,8 @@ SHAPES = [
     ("eagle tree", ["draft.topk=2", "draft.num_steps=2", "draft.num_draft_tokens=5"]),
     ("eagle chain", ["draft.topk=1", "draft.num_steps=2"]),
     ("ngram", ["draft=ngram", "draft.num_steps=2"]),
+    ("suffix: drafts from earlier requests' sampled outputs", ["draft=suffix", "draft.num_steps=2",
+                                                               "draft.num_draft_tokens=5"]),
     ("standalone chain, rejection sampling", ["draft=standalone", "draft.topk=1", "draft.num_steps=2"]),
     ("standalone tree", ["draft=standalone", "draft.topk=2", "draft.num_steps=2", "draft.num_draft_tokens=5"]),
 ]
