@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from specpipe.build import build
 from specpipe.compile_policy import parse_policy
 from specpipe.metrics import Metrics, recompile_count
+from specpipe.models.llama import fuse_projections
 from specpipe.errors import ConfigError
 from specpipe.pipeline import PlainPipeline, Request
 from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
@@ -203,6 +204,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     spec = cfg.draft.method != "none"
     step_rows = cfg.workload.batch_size * (cfg.draft.num_draft_tokens if spec else 1)  # rows of a verify forward
     models = [pair.target, pair.draft, getattr(pair, "standalone", None)]
+    fuse_projections(models)  # q|k|v and gate|up as one GEMM each (once per pair; bitwise the same outputs)
     layout = device.lay_out_weights(models, (1, step_rows))
     metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,
                       cfg.draft.num_draft_tokens if spec else 2)

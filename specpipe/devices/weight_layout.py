@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specpipe.models.attention import refresh_fused_views
 from specpipe.schema import WEIGHT_LAYOUTS as LAYOUTS
 
 MARGIN = 0.05  # column-major must be this much faster to replace the default (row-major) layout
@@ -49,10 +50,20 @@ def linear_weights(models: Iterable[Optional[nn.Module]]) -> dict[tuple, list[nn
         for mod in model.modules():
             if isinstance(mod, nn.Embedding):
                 embedded.add(id(mod.weight))
+    owner = {}  # storage -> its largest Linear weight: a fused projection, not the parts viewing into it
+    for model in mods:
+        for mod in model.modules():
+            w = getattr(mod, "weight", None)
+            if isinstance(mod, nn.Linear) and w is not None:
+                key = w.untyped_storage().data_ptr()
+                if key not in owner or w.numel() > owner[key].numel():
+                    owner[key] = w
     for model in mods:
         for mod in model.modules():
             w = getattr(mod, "weight", None)
             if not isinstance(mod, nn.Linear) or w is None or id(w) in embedded or id(w) in seen:
+                continue
+            if owner[w.untyped_storage().data_ptr()] is not w:
                 continue
             seen.add(id(w))
             groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
@@ -113,4 +124,8 @@ def lay_out_weights(models: Iterable[Optional[nn.Module]], mode: str, rows: Sequ
             for p in params:
                 p.data = as_layout(p.data, entry["layout"])
         report[key] = entry
+    for model in (m for m in models if m is not None):  # fused projections: re-view their parts
+        for mod in model.modules():
+            if hasattr(mod, "fused_parts"):
+                refresh_fused_views(mod)
     return report

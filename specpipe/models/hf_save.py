@@ -17,6 +17,11 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 
+def unfused(sd: dict) -> dict:
+    """A state dict without the inference-only fused projections (their parts hold the same values)."""
+    return {n: t for n, t in sd.items() if ".qkv_proj." not in n and ".gate_up_proj." not in n}
+
+
 def _pick_arch(cfg: LlamaConfig) -> str:
     arch = cfg.extra.get("architecture")
     if arch in MODEL_TYPES:
@@ -96,7 +101,7 @@ def save_target(model: LlamaForCausalLM, tokenizer: Any, folder: str | Path, dty
                                         "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
     elif tokenizer is not None:
         raise TypeError(f"cannot save tokenizer of type {type(tokenizer).__name__} (needs describe())")
-    sd = {n: t for n, t in model.state_dict().items() if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    sd = {n: t for n, t in unfused(model.state_dict()).items() if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
     tensors = _tensors(sd, _dtype(dtype), lambda n: n if n.startswith("lm_head.") else "model." + n)
     return _write(folder, config, tensors)
 
@@ -117,4 +122,4 @@ def save_eagle(head: nn.Module, folder: str | Path, dtype=None) -> Path:
         config.update(num_hidden_layers=len(head.layers), bias=head.fc.bias is not None)
         if cfg.layer_types is not None:
             config["layer_types"] = list(cfg.layer_types[:len(head.layers)])
-    return _write(folder, config, _tensors(head.state_dict(), _dtype(dtype)))
+    return _write(folder, config, _tensors(unfused(head.state_dict()), _dtype(dtype)))

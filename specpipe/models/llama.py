@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.models.attention import Attention, KVPool, rotate_half  # noqa: F401 (re-exported)
+from specpipe.models.attention import Attention, KVPool, fused_linear, rotate_half  # noqa: F401 (re-exported)
 from specpipe.models.attention_batch import AttentionBatch
 
 
@@ -99,8 +99,29 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.gate_up_proj: Optional[nn.Linear] = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """Inference: one [gate|up] projection instead of two (`fused_linear`)."""
+        self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def fuse_projections(models) -> int:
+    """Fuse q/k/v and gate/up of every attention and MLP in `models` (None skipped), once; returns how
+    many modules were fused now. For inference: training keeps the separate projections."""
+    n = 0
+    for model in models:
+        for mod in (model.modules() if model is not None else ()):
+            if isinstance(mod, MLP) and mod.gate_up_proj is None or isinstance(mod, Attention) and mod.qkv_proj is None:
+                mod.fuse()
+                n += 1
+    return n
 
 
 class DecoderLayer(nn.Module):

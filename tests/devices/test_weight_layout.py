@@ -106,7 +106,14 @@ def test_run_applies_and_reports_the_layout():
     res = run(cfg, quiet=True, pair=pair)
     layout = res["metrics"]["weight_layout"]
     assert layout and all(e["layout"] == "column" for e in layout.values())
-    assert all(is_column_major(m.weight) for m in linears(pair.target) + linears(pair.draft))
-    assert sum(e["count"] for e in layout.values()) == len({id(m.weight) for m in linears(pair.target)
-                                                             + linears(pair.draft)})
+    # run() fuses q|k|v and gate|up: the fused weights are laid out, their parts stay views into them
+    fused = [m for m in linears(pair.target) + linears(pair.draft) if hasattr(m, "fused_parts")]
+    parts = {id(p) for f in fused for p in f.fused_parts}
+    used = [m for m in linears(pair.target) + linears(pair.draft) if id(m) not in parts]
+    assert fused and all(is_column_major(m.weight) for m in used)
+    for f in fused:
+        assert torch.equal(torch.cat([p.weight for p in f.fused_parts]), f.weight)
+        assert all(p.weight.untyped_storage().data_ptr() == f.weight.untyped_storage().data_ptr()
+                   for p in f.fused_parts)
+    assert sum(e["count"] for e in layout.values()) == len({id(m.weight) for m in used})
     assert len(linear_weights([pair.target, pair.draft])) == len(layout)

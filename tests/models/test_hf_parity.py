@@ -65,6 +65,27 @@ def test_kv_pool_matches_transformers(checkpoint):
 
 
 @torch.no_grad()
+def test_fused_projections_match_transformers_and_save_unfused(checkpoint, tmp_path):
+    """run() fuses q|k|v and gate|up (Qwen2's q/k/v biases included): the same logits, the same checkpoint."""
+    from safetensors import safe_open
+
+    from specpipe.models.llama import fuse_projections
+
+    folder, ids, ref = checkpoint
+    target = load_target(folder)
+    before = _pool_logits(target, ids, [7, 3])
+    assert fuse_projections([target]) == 2 * target.config.num_hidden_layers
+    assert fuse_projections([target]) == 0  # once
+    after = _pool_logits(target, ids, [7, 3])
+    assert torch.allclose(after, before, atol=1e-6, rtol=0) and (after - ref).abs().max().item() <= TOL
+    save_target(target, None, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in keys)
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and "model.layers.1.mlp.up_proj.weight" in keys
+
+
+@torch.no_grad()
 def test_sharded_checkpoint_loads(make_hf_model, tmp_path):
     model = make_hf_model("qwen2_window", seed=3)
     model.save_pretrained(tmp_path, max_shard_size="40KB")
