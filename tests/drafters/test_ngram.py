@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specpipe.drafters import NgramDrafter, pack_histories
+from trie_votes import linked_paths, voted_trie
 
 EXAMPLE = [1, 2, 3, 4, 2, 3, 5, 6, 2, 3]
 
@@ -119,19 +120,6 @@ def test_property_paths_are_real_continuations(hist, other, k, s, min_n, extra, 
         return
     # a trie: the 4k best matches vote 2^n for each node of their continuation; the n_nodes-1 nodes with the
     # most votes are kept (ties: the better match, then the shallower node), in that order
-    votes, first = {}, {}
-    for r, (n, c) in enumerate(ranked[:4 * k]):
-        cont = hist[c:c + s]
-        for d in range(1, len(cont) + 1):
-            votes[tuple(cont[:d])] = votes.get(tuple(cont[:d]), 0) + 2 ** n
-            first.setdefault(tuple(cont[:d]), r)
-    best = sorted(votes, key=lambda p: (-votes[p], first[p], len(p)))[:n_nodes - 1]
-    got = []
-    for j in range(1, n_nodes):
-        path, v = [], j
-        while v > 0:
-            path.append(tokens[v])
-            v = parent[v]
-        if parent[j] >= 0:
-            got.append(tuple(reversed(path)))
+    best = voted_trie([(n, hist[c:]) for n, c in ranked], k, s, n_nodes)
+    got = linked_paths(tokens, parent, n_nodes)
     assert got == best, (hist, got, best)

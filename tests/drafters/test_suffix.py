@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from specpipe.drafters import NgramDrafter, pack_histories
 from specpipe.drafters.ngram import SEP
 from specpipe.drafters.suffix import SuffixCache
+from trie_votes import linked_paths, voted_trie
 
 
 def cache_of(texts, capacity=1000):
@@ -85,21 +86,8 @@ def test_property_drafts_follow_matches_in_the_cache_and_the_context(hist, corpu
         assert tokens[1:1 + len(want)] == want and parent[1:1 + len(want)] == list(range(len(want)))
         assert all(p == -1 for p in parent[1 + len(want):])
         return
-    votes, first = {}, {}
-    for r, (n, _, text, c) in enumerate(ranked[:4 * k]):
-        cont = text[c:c + s]
-        for d in range(1, len(cont) + 1):
-            votes[tuple(cont[:d])] = votes.get(tuple(cont[:d]), 0) + 2 ** n
-            first.setdefault(tuple(cont[:d]), r)
-    best = sorted(votes, key=lambda p: (-votes[p], first[p], len(p)))[:n_nodes - 1]
-    got = []
-    for j in range(1, n_nodes):
-        path, v = [], j
-        while v > 0:
-            path.append(tokens[v])
-            v = parent[v]
-        if parent[j] >= 0:
-            got.append(tuple(reversed(path)))
+    best = voted_trie([(n, text[c:]) for n, _, text, c in ranked], k, s, n_nodes)
+    got = linked_paths(tokens, parent, n_nodes)
     assert got == best, (hist, corpus, got, best)
 
 
