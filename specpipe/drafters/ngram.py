@@ -27,6 +27,11 @@ Worked example (one request, min_n=1, max_n=3, num_steps=3):
 
 A request without any match gets only unlinked padding nodes (token = root, parent -1), which
 the verifiers never accept, so it commits exactly the bonus token.
+
+`propose(..., corpus=...)` also matches in other texts (draft=suffix: `SuffixCache`, the newest
+finished requests' outputs), read as if they came before the request's own history. Texts are
+separated by SEP = -1, which equals no token: a match (the tail included) and a continuation both
+stop at it.
 """
 from __future__ import annotations
 
