@@ -67,7 +67,6 @@ class Pipeline:
         self.last_token = torch.zeros(0, dtype=torch.int64, device=self.dev)  # [B]
         self.sampling = sampling or SamplingState(0.0, 1.0, 0, self.dev)
         self.feature_layers = None  # EAGLE-3 drafters read these target layers instead of the final hidden
-        self._target_dense: Optional[bool] = None
 
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
@@ -198,10 +197,7 @@ class Pipeline:
     @property
     def target_dense(self) -> bool:
         """Every target layer attends fully and densely (no sliding window, no sparse top-k)."""
-        if self._target_dense is None:
-            attn = [m for m in self.target.modules() if hasattr(m, "window") and hasattr(m, "top_k")]
-            self._target_dense = bool(attn) and all(m.window is None and m.top_k is None for m in attn)
-        return self._target_dense
+        return not self.target.window_layers() and self.target.config.sparse_top_k is None
 
     def admit(self, reqs: list[Request]) -> bool:
         """Prefill and join the running batch; False (nothing changed) when the KV pool is too full."""

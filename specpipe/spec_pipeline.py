@@ -64,7 +64,7 @@ class SpecPipeline(Pipeline):
         return self.prep.decorate(AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos))
 
     def accept(self, logits, tree, draft_probs, L_t):
-        """Greedy walk, or lossless sampling (rejection sampling for sampled chains, else target-only)."""
+        """Greedy acceptance, or lossless sampling (rejection sampling for sampled chains, else target-only)."""
         if self.sampling.greedy:
             return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)
         s = self.sampling

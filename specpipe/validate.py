@@ -34,6 +34,11 @@ def _draft(d, errors: list) -> None:
     if d.method not in DRAFT_METHODS:
         errors.append(f"draft.method={d.method!r} is unknown (valid: {', '.join(DRAFT_METHODS)})")
         return
+    if d.method == "ngram" and not 1 <= d.min_n <= d.max_n <= 255:
+        errors.append(f"draft.min_n={d.min_n}, draft.max_n={d.max_n}: need 1 <= min_n <= max_n <= 255")
+    if d.method == "ngram" and d.get("cache_tokens", 0) < 0:
+        errors.append(f"draft.cache_tokens={d.cache_tokens} must be >= 0 (0: no cross-request cache; e.g. 8192 "
+                      "keeps the newest finished outputs up to that many tokens)")
     for key in ("topk", "num_steps"):
         if d[key] < 1:
             errors.append(f"draft.{key}={d[key]} must be >= 1")
@@ -127,12 +132,6 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"sampling.top_p={sp.top_p} must be in (0, 1] (1 keeps every token)")
     if sp.top_k < 0:
         errors.append(f"sampling.top_k={sp.top_k} must be >= 0 (0 keeps every token)")
-    d = cfg.draft
-    if d.method == "ngram" and not 1 <= d.min_n <= d.max_n <= 255:
-        errors.append(f"draft.min_n={d.min_n}, draft.max_n={d.max_n}: need 1 <= min_n <= max_n <= 255")
-    if d.method == "ngram" and d.get("cache_tokens", 0) < 0:
-        errors.append(f"draft.cache_tokens={d.cache_tokens} must be >= 0 (0: no cross-request cache; e.g. 8192 "
-                      "keeps the newest finished outputs up to that many tokens)")
     if cfg.get("latency_limit_ms") is not None and cfg.latency_limit_ms <= 0:
         errors.append(f"latency_limit_ms={cfg.latency_limit_ms} must be > 0 (or null for no limit)")
     if cfg.seed < 0:
