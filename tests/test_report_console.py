@@ -1,0 +1,24 @@
+"""The end-of-run summary names the drafter that ran (it used to say "eagle" for every drafter)."""
+import pytest
+
+from specpipe.report_console import print_summary
+
+
+def metrics(draft: dict) -> dict:
+    return {"config": {"draft": draft, "allocator": {"_target_": "specpipe.allocators.paged.PagedAllocator"}},
+            "accept_length_mean": 2.5, "num_requests": 2, "num_errors": 0, "generated_tokens": 10, "wall_s": 1.0,
+            "tokens_per_s": 10.0, "acceptance_rate_per_position": [0.5], "num_verify_steps": 4, "recompiles": 0,
+            "kv_leaked_slots": 0, "stage_ms": {"verify": 1.0}, "stage_model_ms": {"verify": 0.5}}
+
+
+@pytest.mark.parametrize("draft,title", [
+    ({"method": "ngram", "topk": 4, "num_steps": 8, "num_draft_tokens": 12, "cache_tokens": 0}, "draft=ngram topk=4"),
+    ({"method": "ngram", "topk": 4, "num_steps": 15, "num_draft_tokens": 16, "cache_tokens": 8192}, "draft=suffix"),
+    ({"method": "eagle", "topk": 2, "num_steps": 3, "num_draft_tokens": 6}, "draft=eagle topk=2 steps=3 tokens=6"),
+    ({"method": "standalone", "topk": 1, "num_steps": 4, "num_draft_tokens": 5}, "draft=standalone"),
+    ({"method": "none", "topk": 1, "num_steps": 1, "num_draft_tokens": 2}, "draft=none"),
+])
+def test_title_names_the_drafter(capsys, draft, title):
+    print_summary(metrics(draft), None)
+    out = capsys.readouterr().out
+    assert title in out and "PagedAllocator" in out
