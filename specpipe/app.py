@@ -43,11 +43,21 @@ def load_pair(cfg: DictConfig, dtype: str, device):
     return _PAIR_CACHE[key]
 
 
-def make_wrap(cfg: DictConfig, device):
-    """The binder stages call once per branch: the branch's policy, translated by the device."""
+def make_wrap(cfg: DictConfig, device, metrics: Optional[Metrics] = None):
+    """The binder stages call once per branch: the branch's policy, translated by the device.
+
+    A compiled branch that runs a model forward is timed as model time as a whole (`Metrics.model_branch`):
+    the per-module timer hooks cannot run inside a compiled graph."""
     def wrap(stage: str, branch: str, fn):
         policy = cfg.compile.get(stage, {}).get(branch) if stage in cfg.compile else None
-        return fn if policy is None else device.compile(fn, parse_policy(policy))
+        if policy is None:
+            return fn
+        parsed = parse_policy(policy)
+        out = device.compile(fn, parsed)
+        owner = getattr(fn, "__self__", None)
+        if metrics is not None and parsed.mode != "eager" and branch in getattr(owner, "model_branches", ()):
+            out = metrics.model_branch(out)
+        return out
     return wrap
 
 
@@ -142,7 +152,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
         return PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
     proposer = build_proposer(cfg, pair, max_requests, max_context, device)
     return SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
-                        d.num_steps, d.num_draft_tokens, make_wrap(cfg, device), sampling)
+                        d.num_steps, d.num_draft_tokens, make_wrap(cfg, device, metrics), sampling)
 
 
 def first_layer_copy(target):

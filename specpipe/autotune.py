@@ -132,6 +132,7 @@ def collect_decisions(pipe_or_stages: Any) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for st in stages or []:
         for value in vars(st).values():
+            value = getattr(value, "__wrapped__", value)  # Metrics.model_branch wraps model-running branches
             if isinstance(value, AutoBranch):
                 out[value.name] = dict(value.decision)
     return out

@@ -37,6 +37,8 @@ class Metrics:
         self.step_s: list[float] = []
         self.retractions = 0
         self._hooks: list = []
+        self._outer = 0  # > 0 inside a branch timed by model_branch: the hooks stand aside
+        self._synchronize = lambda: None
 
     @contextmanager
     def stage(self, name: str):
@@ -49,7 +51,13 @@ class Metrics:
             self.current = prev
 
     def attach_model_timer(self, modules, synchronize) -> None:
-        """Time every forward of these modules, synchronizing the device around each call."""
+        """Time every forward of these modules, synchronizing the device around each call.
+
+        The hooks do nothing while Dynamo traces them (a clock read would break the graph, and a compiled
+        branch never calls them again), nor inside a branch `model_branch` already times."""
+        import torch
+
+        self._synchronize = synchronize
         seen = set()
         for mod in modules:
             if mod is None or id(mod._forward_hooks) in seen:  # shallow copies share hook dicts
@@ -58,14 +66,33 @@ class Metrics:
             box = {}
 
             def pre(_m, _a, box=box):
+                if torch.compiler.is_compiling() or self._outer:
+                    return
                 synchronize()
                 box["t"] = time.perf_counter()
 
             def post(_m, _a, _o, box=box):
+                if torch.compiler.is_compiling() or self._outer or "t" not in box:
+                    return
                 synchronize()
-                self.model_s[self.current] += time.perf_counter() - box.pop("t", time.perf_counter())
+                self.model_s[self.current] += time.perf_counter() - box.pop("t")
 
             self._hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def model_branch(self, fn):
+        """`fn` (a compiled or captured branch that runs a model forward) timed as model time, as a whole."""
+        def timed(*args, **kwargs):
+            self._synchronize()
+            t = time.perf_counter()
+            self._outer += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._outer -= 1
+                self._synchronize()
+                self.model_s[self.current] += time.perf_counter() - t
+        timed.__wrapped__ = fn
+        return timed
 
     def detach(self) -> None:
         for h in self._hooks:

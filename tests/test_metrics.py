@@ -58,3 +58,38 @@ def test_host_time_is_stage_time_minus_model_time():
 def test_empty_run_has_no_acceptance():
     s = Metrics(2).summary(0.0, 0)
     assert s["accept_length_mean"] is None and s["tokens_per_s"] == 0.0
+
+
+class Clock:
+    """perf_counter that advances by exactly 1 s per read: durations count the reads between them."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_model_timer_counts_a_compiled_model_branch_once(monkeypatch):
+    import torch
+
+    import specpipe.metrics as metrics_mod
+
+    lin = torch.nn.Linear(4, 4)
+    m = Metrics(1)
+    syncs = []
+    m.attach_model_timer([lin], lambda: syncs.append(1))
+    clock = Clock()
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", clock)
+    x = torch.randn(2, 4)
+    with m.stage("verify"):
+        lin(x)  # eager: the hooks time it (two clock reads apart)
+    assert m.model_s["verify"] == 1.0
+    # a compiled branch running the module: fullgraph fails if the hooks read the clock inside the graph
+    branch = m.model_branch(torch.compile(lambda t: lin(t) * 2, backend="eager", fullgraph=True))
+    with m.stage("draft"):
+        out = branch(x)
+    assert torch.allclose(out, lin(x) * 2)
+    assert m.model_s["draft"] == 1.0  # the branch as a whole, not again by the hooks
+    m.detach()

@@ -16,13 +16,17 @@ LENGTHS = [3, 17, 5, 40, 9, 26, 2, 33, 12, 7]  # prompt lengths: prefill shapes 
 BUDGETS = [30, 75, 42, 90, 24, 60, 36, 84, 48, 27]  # max_new_tokens: requests finish at different steps
 WARMUP_STEPS = 3
 AOT = "'compile(dynamic=true, backend=aot_eager)'"  # same Dynamo guards as inductor, ~10x cheaper to compile
+# model forwards: fullgraph, so a graph break (the metrics' timer hooks, unrelated unbacked batch sizes
+# that attention cannot broadcast together) fails the run instead of silently splitting the model per layer
+AOT_FULL = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
 
 
 @pytest.mark.parametrize("overrides", [
     ["compile=split"],  # the preset itself, inductor
     ["compile=whole", f"compile.draft_topk.later={AOT}"],  # fused: one graph per step kind (0, 1, >= 2)
     ["compile=split", f"compile.draft_topk.later={AOT}", "draft.topk=1", "draft.num_draft_tokens=4"],  # K == 1
-], ids=["split", "whole-aot_eager", "split-topk1-aot_eager"])
+    [f"compile.verify.target_forward={AOT_FULL}", f"compile.draft_forward.decode={AOT_FULL}"],  # model forwards
+], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager"])
 def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):
     rng = random.Random(0)
     path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])

@@ -79,8 +79,9 @@ def test_sliding_layers_read_only_the_window_pool():
     target = pair.target
     alloc = SWAAllocator(256, 1, window=window, swa_num_slots=48, debug=True)  # 48 < 56 tokens decoded
     kv = target.setup_kv(alloc.pool_slots, **target_kv_layout(pair, alloc))
-    assert tuple(kv.wk.shape[:2]) == (1, alloc.swa_pool_slots)  # layer 0 slides: window pool only
-    assert tuple(kv.k.shape[:2]) == (1, alloc.pool_slots)  # layer 1 is full
+    assert kv.windowed == [True, False]
+    assert kv.layer(0)[0].shape[0] == alloc.swa_pool_slots  # layer 0 slides: window pool only
+    assert kv.layer(1)[0].shape[0] == alloc.pool_slots  # layer 1 is full
     prep = PrepareDecode(alloc, 1, 128, torch.device("cpu"))
     row = np.asarray([prep.acquire_row()])
     row_t = torch.from_numpy(row)
@@ -100,7 +101,7 @@ def test_sliding_layers_read_only_the_window_pool():
             owned = alloc.translate(prep.table[row[0], : prep.alloc_len[row[0]]])
             garbage = torch.ones(alloc.swa_pool_slots, dtype=torch.bool)
             garbage[owned[owned > 0]] = False
-            kv.wk[:, garbage], kv.wv[:, garbage] = 1e3, -1e3
+            kv.layer(0)[0][garbage], kv.layer(0)[1][garbage] = 1e3, -1e3
             L_t = torch.from_numpy(L)
             batch = prep.decorate(extend_batch(prep.table, row_t, L_t, torch.ones_like(L_t), 1, 64))
             got = target.logits(target(torch.tensor([[nxt]]), batch)[0, -1])

@@ -61,7 +61,7 @@ def deview(x: Any) -> Any:
     return x
 
 
-def mark_batch_dims(args: Any) -> None:
+def mark_batch_dims(args: Any, shape_id: Optional[str] = None) -> None:
     """Compile dim 0 of every input tensor as a size that is never specialized (an unbacked size).
 
     The running batch shrinks and grows every few steps. Left to Dynamo, a batch of 1 gets its own
@@ -69,12 +69,16 @@ def mark_batch_dims(args: Any) -> None:
     an unbacked size avoids both, so one graph serves every batch size. Other dims follow the
     policy's `dynamic` option. Dim 0 is the batch by the stages' convention: every branch argument
     is request-major ([B, ...] or [B*K, ...]); weights are reached through `self`, not passed.
+
+    With `shape_id`, every dim 0 is one symbol (a model forward's tokens, hidden states and attention
+    batch all have B rows): independent unbacked sizes could not be broadcast together (attention's
+    mask against its queries), and each such guard would break the graph.
     """
     from torch._dynamo.decorators import mark_unbacked
 
     for t in tensor_leaves(args):
         if t.dim() > 0:
-            mark_unbacked(t, 0)
+            mark_unbacked(t, 0, shape_id=shape_id)
 
 
 class BatchGeneric:
@@ -89,12 +93,15 @@ class BatchGeneric:
         self.fn, self.compiled, self.marks_left = fn, compiled, mark_calls
         self.__name__ = getattr(fn, "__name__", "branch")
         self.__self__ = getattr(fn, "__self__", None)
+        # a model forward's inputs share one batch size (Stage.model_branches); other branches mix B and B*K
+        model = self.__name__ in getattr(self.__self__, "model_branches", ())
+        self.shape_id = "batch" if model else None
 
     def __call__(self, *args, **kwargs):
         if self.marks_left:
             self.marks_left -= 1
             args, kwargs = deview(args), deview(kwargs)
-            mark_batch_dims((args, kwargs))
+            mark_batch_dims((args, kwargs), self.shape_id)
         return self.compiled(*args, **kwargs)
 
 

@@ -34,6 +34,7 @@ from specpipe.stages.verify_sampling import STREAM_DRAFT, process_logits, sample
 
 class StandaloneDrafter(Stage):
     name = "standalone_draft"
+    model_branches = frozenset({"root_logits", "decode_logits", "extend"})
 
     def __init__(self, model, topk: int, num_steps: int, num_draft_tokens: Optional[int] = None):
         self.model = model

@@ -20,8 +20,12 @@ from specpipe.models.attention_batch import AttentionBatch, sdpa_mask
 
 
 class KVPool:
-    """K/V storage. Full layers: [Lf, S, Hkv, D] indexed by full slots; window layers (only when
-    ``window_slots`` is given): [Lw, Sw, Hkv, D] indexed by window-pool slots."""
+    """K/V storage, one tensor pair per layer: full layers [S, Hkv, D] indexed by full slots; window layers
+    (only when ``window_slots`` is given) [Sw, Hkv, D] indexed by window-pool slots.
+
+    Every layer owns its storage (not a view of one stacked tensor): a compiled forward that writes a
+    view of a shared base is functionalized into copies of the whole base, per layer and per call, and
+    ran ~10x slower than eager on CPU; separate tensors are updated in place."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -29,51 +33,44 @@ class KVPool:
                  track_selection: bool = False):
         win = set(window_layers) if window_slots is not None else set()
         self.windowed = [i in win for i in range(num_layers)]
-        self.group_index = []  # layer -> index inside its group (full or window)
-        counts = [0, 0]
-        for w in self.windowed:
-            self.group_index.append(counts[w])
-            counts[w] += 1
-        full = (counts[0], num_slots, num_kv_heads, head_dim)
-        wind = (counts[1], window_slots or 0, num_kv_heads, head_dim)
-        self.k = torch.zeros(full, dtype=dtype, device=device)  # [Lf, S, Hkv, D]
-        self.v = torch.zeros(full, dtype=dtype, device=device)
-        self.wk = torch.zeros(wind, dtype=dtype, device=device)  # [Lw, Sw, Hkv, D]
-        self.wv = torch.zeros(wind, dtype=dtype, device=device)
+        self._num_slots, self._window_slots = num_slots, window_slots or 0
+
+        def zeros(slots: int) -> Tensor:
+            return torch.zeros((slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+        self.keys = [zeros(self._window_slots if w else num_slots) for w in self.windowed]
+        self.values = [zeros(self._window_slots if w else num_slots) for w in self.windowed]
         self.dtype = dtype
         self.track_selection = track_selection  # report sparse selections to batch.observe (hisparse)
-        self.token_bytes = 2 * num_kv_heads * head_dim * self.k.element_size()  # K+V of one token, one layer
+        self.token_bytes = 2 * num_kv_heads * head_dim * self.keys[0].element_size()  # K+V of one token, one layer
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self._num_slots
 
     @property
     def window_slots(self) -> int:
-        return self.wk.shape[1]
+        return self._window_slots
 
     @property
     def has_window(self) -> bool:
-        return self.wk.shape[0] > 0
+        return any(self.windowed)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """(K, V) storage of layer i: [S or Sw, Hkv, D] each."""
-        g = self.group_index[i]
-        return (self.wk[g], self.wv[g]) if self.windowed[i] else (self.k[g], self.v[g])
+        return self.keys[i], self.values[i]
 
     def move(self, tgt: Tensor, src: Tensor, window_tgt: Optional[Tensor] = None,
              window_src: Optional[Tensor] = None) -> None:
         """Copy K/V from slots ``src`` to ``tgt`` (both [n] int64); window layers use the translated pair."""
-        # index_select/index_copy_ along the slot dim: advanced indexing on dim 1 (k[:, tgt] = k[:, src])
-        # goes through the generic index_put path, which was the bulk of a draft round's copies
-        self.k.index_copy_(1, tgt, self.k.index_select(1, src))
-        self.v.index_copy_(1, tgt, self.v.index_select(1, src))
-        if self.has_window:
-            if window_tgt is None or window_src is None:
-                raise ValueError("this pool has window-pool layers: pass window_tgt/window_src "
-                                 "(the slots translated by the SWA allocator)")
-            self.wk.index_copy_(1, window_tgt, self.wk.index_select(1, window_src))
-            self.wv.index_copy_(1, window_tgt, self.wv.index_select(1, window_src))
+        if self.has_window and (window_tgt is None or window_src is None):
+            raise ValueError("this pool has window-pool layers: pass window_tgt/window_src "
+                             "(the slots translated by the SWA allocator)")
+        for w, k, v in zip(self.windowed, self.keys, self.values):
+            t, s = (window_tgt, window_src) if w else (tgt, src)
+            # index_select/index_copy_: advanced indexing (k[t] = k[s]) goes through the slower index_put path
+            k.index_copy_(0, t, k.index_select(0, s))
+            v.index_copy_(0, t, v.index_select(0, s))
 
 
 def fused_linear(parts: list) -> nn.Linear:

@@ -16,6 +16,7 @@ def branch(fn: Callable) -> Callable:
 
 class Stage:
     name = "stage"
+    model_branches: frozenset = frozenset()  # branches that run a model forward (timed as model time)
 
     @classmethod
     def branch_names(cls) -> list[str]:

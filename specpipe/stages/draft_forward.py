@@ -16,6 +16,7 @@ def top_k(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 class DraftForward(Stage):
     name = "draft_forward"
+    model_branches = frozenset({"decode", "extend"})
 
     def __init__(self, head, topk: int):
         self.head = head

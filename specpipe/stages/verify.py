@@ -25,6 +25,7 @@ def target_features(model, tokens: Tensor, batch, feature_layers=None):
 
 class Verify(Stage):
     name = "verify"
+    model_branches = frozenset({"target_forward"})
 
     def __init__(self, target, num_steps: int, feature_layers=None):
         self.model = target

@@ -123,3 +123,55 @@ def test_draft_topk_and_build_tree_graphed_equal_eager():
         args = tree_inputs(want, B)
         for w, o in zip(dataclasses.astuple(bt_eager(*args)), dataclasses.astuple(bt_cap(*args))):
             assert torch.equal(w, o)
+
+
+class CapturingApi(StubGraphApi):
+    """StubGraphApi that knows when a capture is open (a real CUDA graph capture refuses synchronize)."""
+
+    capturing = False
+
+    @staticmethod
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        CapturingApi.capturing = True
+        try:
+            with _Record(g):
+                yield
+        finally:
+            CapturingApi.capturing = False
+
+
+def test_graphed_model_branch_is_timed_without_synchronizing_inside_the_capture():
+    from omegaconf import OmegaConf
+
+    from specpipe.app import make_wrap
+    from specpipe.metrics import Metrics
+    from specpipe.stages.base import Stage, branch
+
+    lin = torch.nn.Linear(4, 4)
+
+    class Target(Stage):
+        name = "verify"
+        model_branches = frozenset({"target_forward"})
+
+        @branch
+        def target_forward(self, x):
+            return lin(x)
+
+    def synchronize():
+        assert not CapturingApi.capturing, "synchronize() inside a graph capture (cudaErrorStreamCaptureUnsupported)"
+
+    class GraphDevice:
+        def compile(self, fn, policy):
+            return GraphBranch(fn, CapturingApi, "CUDAGraph")
+
+    metrics = Metrics(1)
+    metrics.attach_model_timer([lin], synchronize)  # the module timer hooks run inside the branch
+    stage = Target()
+    stage.bind(make_wrap(OmegaConf.create({"compile": {"verify": {"target_forward": "graph"}}}), GraphDevice(), metrics))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        with metrics.stage("verify"):
+            for _ in range(3):  # warm-up + capture, then replays
+                torch.testing.assert_close(stage.target_forward(x), lin(x))
+    assert metrics.model_s["verify"] > 0  # timed as a whole, around the branch

@@ -71,25 +71,25 @@ def test_mirror_and_follow_copy_each_branch_its_own_path():
     alloc = PagedAllocator(1024, ps)
     prep, rows, rows_t, L, L_t = prepared(alloc, [6, 9])
     pool = KVPool(1, alloc.pool_slots, 1, 1, torch.float64)
-    pool.k[0, :, 0, 0] = torch.arange(alloc.pool_slots, dtype=torch.float64)  # each slot holds its own id
+    pool.keys[0][:, 0, 0] = torch.arange(alloc.pool_slots, dtype=torch.float64)  # each slot holds its own id
     sc = prep.draft_scratch(rows, rows_t, L, L_t, K, W)
     last = (L % ps).tolist()
     prefix_ids = [prep.table[r, L[b] - last[b]: L[b]].double() for b, r in enumerate(rows)]
     sc.begin(prep, pool)
     for b in range(2):
         for k in range(K):  # every branch now starts with the prefix's partial page
-            got = pool.k[0, sc.region[b, k, : last[b]], 0, 0]
+            got = pool.keys[0][sc.region[b, k, : last[b]], 0, 0]
             assert torch.equal(got, prefix_ids[b])
     # step 0 wrote a token per branch: mark it, then re-rank so branch k continues parent[k]'s path
     out0 = sc.step_batch(0).out_slots
-    pool.k[0, out0.reshape(-1), 0, 0] = 1000.0 + torch.arange(2 * K, dtype=torch.float64)
+    pool.keys[0][out0.reshape(-1), 0, 0] = 1000.0 + torch.arange(2 * K, dtype=torch.float64)
     parent = torch.tensor([[2, 2, 0], [1, 0, 0]])
     sc.follow(prep, pool, parent, 1)
     for b in range(2):
         for k in range(K):
-            col0 = pool.k[0, sc.region[b, k, last[b]], 0, 0].item()
+            col0 = pool.keys[0][sc.region[b, k, last[b]], 0, 0].item()
             assert col0 == 1000.0 + b * K + int(parent[b, k])
-            assert torch.equal(pool.k[0, sc.region[b, k, : last[b]], 0, 0], prefix_ids[b])  # prefix untouched
+            assert torch.equal(pool.keys[0][sc.region[b, k, : last[b]], 0, 0], prefix_ids[b])  # prefix untouched
 
 
 def trees(monkeypatch, cfg, pair, cls):
