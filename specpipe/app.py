@@ -61,6 +61,15 @@ def make_wrap(cfg: DictConfig, device, metrics: Optional[Metrics] = None):
     return wrap
 
 
+def running_batch(cfg: DictConfig, reqs: list[Request]) -> int:
+    """How many requests can run together: `batch_size`, but never more than the run has.
+
+    Per-row buffers, the draft state and the weight-layout timing are sized from it, so a batch_size far
+    above the number of prompts (100000 for 2) costs nothing extra."""
+    live = sum(not r.finished for r in reqs)  # requests that failed to parse never run
+    return max(1, min(cfg.workload.batch_size, live))
+
+
 def workload_slots(cfg: DictConfig, reqs: list[Request]) -> int:
     """A pool for `batch_size` of the longest requests at full length (prompt plus what
     `validate.one_request_slots` reserves for new tokens, one verify tree and draft scratch).
@@ -70,8 +79,7 @@ def workload_slots(cfg: DictConfig, reqs: list[Request]) -> int:
     """
     ps = cfg.allocator.page_size
     live = [len(r.prompt_ids) for r in reqs if not r.finished] or [1]
-    batch = min(cfg.workload.batch_size, len(live))
-    return batch * (-(-max(live) // ps) * ps + one_request_slots(cfg))
+    return running_batch(cfg, reqs) * (-(-max(live) // ps) * ps + one_request_slots(cfg))
 
 
 def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
@@ -144,7 +152,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     longest = max((len(r.prompt_ids) for r in reqs), default=1)
     ps = allocator.page_size
     max_context = longest + cfg.workload.max_new_tokens + d.num_draft_tokens + d.topk * d.num_steps + 2 * ps + 1
-    max_requests = cfg.workload.batch_size
+    max_requests = running_batch(cfg, reqs)
     eos = pair.tokenizer.eos_token_id
     sp = cfg.sampling
     sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device)
@@ -212,7 +220,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     for r, it in zip(reqs, items):
         r.seed = request_seed(base_seed, r.index, it.get("seed"))
     spec = cfg.draft.method != "none"
-    step_rows = cfg.workload.batch_size * (cfg.draft.num_draft_tokens if spec else 1)  # rows of a verify forward
+    batch = running_batch(cfg, reqs)
+    step_rows = batch * (cfg.draft.num_draft_tokens if spec else 1)  # rows of a verify forward
     models = [pair.target, pair.draft, getattr(pair, "standalone", None)]
     fuse_projections(models)  # q|k|v and gate|up as one GEMM each (once per pair; bitwise the same outputs)
     layout = device.lay_out_weights(models, (1, step_rows))
@@ -222,7 +231,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
     compiles_before = recompile_count()
     try:
-        wall = run_requests(pipe, reqs, cfg.workload.batch_size, show_progress=None if not quiet else False)
+        wall = run_requests(pipe, reqs, batch, show_progress=None if not quiet else False)
     finally:
         metrics.detach()
     summary = metrics.summary(wall, recompile_count() - compiles_before)

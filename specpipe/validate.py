@@ -109,6 +109,9 @@ def validate(cfg: DictConfig) -> None:
     if w.prompts_file is not None and not Path(w.prompts_file).is_file():
         errors.append(f"workload.prompts_file={w.prompts_file!r} is not a readable file (give a JSON-lines "
                       f'file with one {{"prompt": "..."}} per line)')
+    elif w.prompts_file is not None and Path(w.prompts_file).stat().st_size == 0:
+        errors.append(f"workload.prompts_file={w.prompts_file!r} is empty (give one "
+                      f'{{"prompt": "..."}} object per line)')
     a = cfg.allocator
     ps = a.page_size
     if ps < 1 or ps & (ps - 1):

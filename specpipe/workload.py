@@ -81,4 +81,7 @@ def read_prompts_file(path: str) -> list[dict]:
             if isinstance(obj.get("seed"), int):
                 item["seed"] = obj["seed"]
             items.append(item)
+    if not items:
+        raise InputError(f"workload.prompts_file={path!r} holds no prompts (only blank lines); give one "
+                         f'{{"prompt": "..."}} object per line')
     return items

@@ -93,3 +93,16 @@ def test_every_case_exits_2_without_traceback(tmp_path):
         assert fragment in p.stderr, (overrides, p.stderr)
         assert "Traceback" not in out, (overrides, out[-800:])
         assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("content,fragment,early", [(b"", "is empty", True), (b"\n  \n\n", "holds no prompts", False)],
+                         ids=["empty", "blank-lines"])
+def test_a_prompts_file_without_prompts_exits_2(tmp_path, content, fragment, early):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    args = SMALL + [f"workload.prompts_file={path}"]
+    msg = precheck(args)
+    assert (msg is not None and fragment in msg) if early else msg is None
+    p = cli(args, tmp_path)
+    assert p.returncode == 2 and fragment in p.stderr and "Traceback" not in p.stderr + p.stdout, p.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()

@@ -101,3 +101,25 @@ def test_nan_in_one_requests_logits_stops_only_that_request(tmp_path, pair, wher
         if a.finish_reason != "error":
             assert a.output_ids == b.output_ids
     assert hit["metrics"]["kv_leaked_slots"] == 0
+
+
+def test_batch_size_far_above_the_prompt_count_sizes_nothing_for_it(tmp_path, pair, monkeypatch):
+    # buffers, the draft state and the weight-layout timing follow the requests the run has: with
+    # batch_size=10**6 and 3 prompts they once timed GEMMs over 8 million rows and never finished
+    from specpipe.devices.base import Device
+
+    rows_seen = []
+    real = Device.lay_out_weights
+
+    def spy(self, models, rows):
+        rows_seen.append(rows)
+        assert max(rows) <= 3 * 8, f"weight layout timed for {rows} rows"
+        return real(self, models, rows)
+
+    monkeypatch.setattr(Device, "lay_out_weights", spy)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "class A:", "import os"]))
+    res = run_on(path, pair, "workload.batch_size=1000000", "workload.max_new_tokens=6")
+    assert rows_seen and all(len(r.output_ids) == 6 for r in res["requests"])
+    ref = run_on(path, pair, "workload.batch_size=3", "workload.max_new_tokens=6")
+    assert [r.output_ids for r in res["requests"]] == [r.output_ids for r in ref["requests"]]
