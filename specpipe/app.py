@@ -20,6 +20,7 @@ from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
 from specpipe.stages.prepare_decode import target_kv_layout
+from specpipe.tokenizer import stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.validate import one_request_slots, to_container, validate
 from specpipe.workload import load_prompts
@@ -153,7 +154,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     ps = allocator.page_size
     max_context = longest + cfg.workload.max_new_tokens + d.num_draft_tokens + d.topk * d.num_steps + 2 * ps + 1
     max_requests = running_batch(cfg, reqs)
-    eos = pair.tokenizer.eos_token_id
+    eos = stop_token_ids(pair.tokenizer)
     sp = cfg.sampling
     sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device)
     if d.method == "none":

@@ -51,6 +51,15 @@ class Request:
         return self.finish_reason is not None
 
 
+def stop_set(eos) -> frozenset:
+    """EOS as given (None, one id, or several) -> the set of ids that end a request."""
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, int):
+        return frozenset([eos])
+    return frozenset(int(t) for t in eos)
+
+
 class Pipeline:
     """Holds the running batch: requests, their table rows and (subclasses) their device state."""
 
@@ -60,7 +69,7 @@ class Pipeline:
         self.device = device
         self.dev = device.torch_device
         self.prep = PrepareDecode(allocator, max_requests, max_context, self.dev)
-        self.eos = eos_token_id
+        self.eos = stop_set(eos_token_id)  # every id that ends a request (Llama-3 instruct has several)
         self.metrics = metrics
         self.reqs: list[Request] = []
         self.rows = np.zeros(0, dtype=np.int64)
@@ -128,7 +137,7 @@ class Pipeline:
         for t in tokens:
             req.output_ids.append(t)
             kept += 1
-            if self.eos is not None and t == self.eos:
+            if t in self.eos:
                 req.finish_reason = "stop"
                 break
             if len(req.output_ids) >= req.max_new_tokens:

@@ -27,21 +27,38 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` read with the `tokenizers` package (no other tokenizer dependency)."""
+    """A `tokenizer.json` read with the `tokenizers` package (no other tokenizer dependency).
 
-    def __init__(self, path: str | Path, eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None):
+    `encode` adds the special tokens the file's post-processor defines (Llama's BOS, for instance), as
+    HF transformers' `tokenizer(prompt)` and vLLM do by default, so a prompt gives the same ids here as
+    there. `eos_token_ids`: every id that ends a request (config.json and generation_config.json may
+    list several, e.g. Llama-3 instruct's <|end_of_text|> and <|eot_id|>)."""
+
+    def __init__(self, path: str | Path, eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None,
+                 eos_token_ids: Sequence[int] = (), add_special_tokens: bool = True):
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys([*([eos_token_id] if eos_token_id is not None else []),
+                                                  *eos_token_ids]))
         self.bos_token_id = bos_token_id
+        self.add_special_tokens = add_special_tokens
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def stop_token_ids(tokenizer) -> tuple:
+    """Every id that ends a request: `eos_token_ids` when the tokenizer has several, else its one EOS."""
+    many = [t for t in getattr(tokenizer, "eos_token_ids", None) or () if t is not None]
+    if many:
+        return tuple(many)
+    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
 
 
 def tokenizer_from_description(desc: dict, folder: Optional[Path] = None):
@@ -51,7 +68,8 @@ def tokenizer_from_description(desc: dict, folder: Optional[Path] = None):
         return ByteTokenizer(desc.get("vocab_size", 258), desc.get("bos_token_id"), desc.get("eos_token_id"))
     if kind == "hf":
         return HFTokenizer(Path(folder) / desc.get("file", "tokenizer.json"), desc.get("eos_token_id"),
-                           desc.get("bos_token_id"))
+                           desc.get("bos_token_id"), desc.get("eos_token_ids", ()),
+                           desc.get("add_special_tokens", True))
     raise ValueError(f"unknown tokenizer type {kind!r} (valid: byte, hf)")
 
 

@@ -123,3 +123,20 @@ def test_batch_size_far_above_the_prompt_count_sizes_nothing_for_it(tmp_path, pa
     assert rows_seen and all(len(r.output_ids) == 6 for r in res["requests"])
     ref = run_on(path, pair, "workload.batch_size=3", "workload.max_new_tokens=6")
     assert [r.output_ids for r in res["requests"]] == [r.output_ids for r in ref["requests"]]
+
+
+@pytest.mark.parametrize("draft", ["draft=eagle", "draft=none", "draft=ngram"])
+def test_a_second_eos_id_ends_requests_too(tmp_path, pair, monkeypatch, draft):
+    # instruct checkpoints list several EOS ids (config.json / generation_config.json); any of them stops
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "class A:"]))
+    free = run_on(path, pair, draft, "workload.max_new_tokens=12")
+    out = free["requests"][0].output_ids
+    stop = out[4]
+    monkeypatch.setattr(pair.tokenizer, "eos_token_ids", (pair.tokenizer.eos_token_id, stop), raising=False)
+    res = run_on(path, pair, draft, "workload.max_new_tokens=12")
+    for r, f in zip(res["requests"], free["requests"]):
+        cut = f.output_ids.index(stop) + 1 if stop in f.output_ids else len(f.output_ids)
+        assert r.output_ids == f.output_ids[:cut]
+        assert r.finish_reason == ("stop" if stop in f.output_ids else "length")
+    assert res["requests"][0].finish_reason == "stop" and len(res["requests"][0].output_ids) <= 5

@@ -256,6 +256,26 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, dtype: str | torch.dt
     return load_draft_folder(Path(path), target, to_dtype(dtype), device)
 
 
+def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
+    """Every EOS id config.json and generation_config.json name (an int or a list in either), in that order.
+
+    HF `generate` stops on the generation config's ids; instruct models often list several there
+    (Llama-3: <|end_of_text|>, <|eom_id|>, <|eot_id|>) while config.json names only one."""
+    ids = list(cfg.extra.get("eos_token_ids") or ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            extra = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{gen}: not a valid generation config ({e})") from None
+        extra = [extra] if isinstance(extra, int) else extra or []
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
+            raise CheckpointError(f"{gen}: field 'eos_token_id' must be an integer or a list of integers, "
+                                  f"got {extra!r}")
+        ids += extra
+    return list(dict.fromkeys(ids))
+
+
 def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = None):
     """``specpipe_tokenizer`` in config.json, else tokenizer.json, else a CheckpointError."""
     from specpipe.tokenizer import HFTokenizer, tokenizer_from_description
@@ -270,7 +290,9 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
             raise CheckpointError(f"{folder / 'config.json'}: field 'specpipe_tokenizer' ({desc!r}) does not "
                                   f"describe a usable tokenizer: {e}") from None
     elif (folder / "tokenizer.json").is_file():
-        tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=cfg.eos_token_id, bos_token_id=cfg.bos_token_id)
+        eos = eos_ids(folder, cfg)
+        tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=eos[0] if eos else None,
+                          bos_token_id=cfg.bos_token_id, eos_token_ids=eos)
     else:
         raise CheckpointError(f"{folder / 'tokenizer.json'}: file not found, and config.json has no "
                               f"'specpipe_tokenizer' field; copy tokenizer.json from the model's Hugging Face repo "

@@ -174,3 +174,42 @@ def test_load_tiny_assets():
         assert "train_tiny.py" in str(e)
     else:
         assert pair.name == "tiny" and pair.draft is not None
+
+
+def bos_wordlevel_tokenizer(path: Path) -> None:
+    """A tokenizer.json whose post-processor adds BOS, as Llama's does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel({"[unk]": 0, "hi": 1, "there": 2, "<s>": 3, "</s>": 4, "<eot>": 5},
+                                     unk_token="[unk]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    tok.save(str(path))
+
+
+def test_prompts_get_the_special_tokens_transformers_adds(target_copy, edit_config, transformers):
+    edit_config(target_copy, specpipe_tokenizer=None)
+    bos_wordlevel_tokenizer(target_copy / "tokenizer.json")
+    tok = load_hf(target_copy).tokenizer
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(target_copy / "tokenizer.json"))
+    for text in ["hi there", "there hi hi", ""]:
+        assert tok.encode(text) == hf(text).input_ids  # BOS first, as tokenizer(prompt) gives it
+    assert tok.encode("hi there") == [3, 1, 2]
+
+
+def test_every_eos_of_config_and_generation_config_stops(target_copy, edit_config):
+    import json
+
+    from specpipe.tokenizer import stop_token_ids
+
+    edit_config(target_copy, specpipe_tokenizer=None, eos_token_id=[4, 6])
+    bos_wordlevel_tokenizer(target_copy / "tokenizer.json")
+    (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 5], "bos_token_id": 3}))
+    tok = load_hf(target_copy).tokenizer
+    assert tok.eos_token_id == 4 and stop_token_ids(tok) == (4, 6, 5)
+    (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert stop_token_ids(load_hf(target_copy).tokenizer) == (4, 6, 5)
+    (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    _raises(lambda: load_hf(target_copy), "generation_config.json", "eos_token_id", "'</s>'")
+    (target_copy / "generation_config.json").write_text("{broken")
+    _raises(lambda: load_hf(target_copy), "generation_config.json", "not a valid generation config")

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specpipe.metrics import Metrics
-from specpipe.pipeline import Pipeline, Request
+from specpipe.pipeline import Pipeline, Request, stop_set
 from specpipe.stages.verify import Verify
 
 # root(10) -> local1 (11), local2 (12); local3 (13) is a child of local2; local4 (14) unlinked
@@ -92,7 +92,7 @@ def test_property_equals_a_walk_from_the_root(data, n, S, vocab):
 
 def make_pipeline(eos):
     p = object.__new__(Pipeline)
-    p.eos, p.metrics = eos, Metrics(3)
+    p.eos, p.metrics = stop_set(eos), Metrics(3)
     return p
 
 
@@ -109,3 +109,12 @@ def test_request_hitting_max_tokens_mid_path_stops_there():
     r.output_ids = [5]
     assert p.append_tokens(r, [6, 7, 8]) == 2
     assert r.output_ids == [5, 6, 7] and r.finish_reason == "length"
+
+
+def test_any_of_several_eos_ids_stops_the_request():
+    p = make_pipeline(eos=[13, 21])
+    r = Request(0, "x", [1], max_new_tokens=10)
+    assert p.append_tokens(r, [12, 21, 13]) == 2
+    assert r.output_ids == [12, 21] and r.finish_reason == "stop"
+    r2 = Request(1, "x", [1], max_new_tokens=10)
+    assert p.append_tokens(r2, [13, 21]) == 1 and r2.finish_reason == "stop"
