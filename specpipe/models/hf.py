@@ -1,7 +1,10 @@
-"""Load Llama / Mistral / Qwen2 targets and EAGLE heads from Hugging Face folders (safetensors only).
+"""Load Llama / Mistral / Qwen2 targets and EAGLE heads from Hugging Face folders.
 
 A folder holds config.json and model.safetensors (or model.safetensors.index.json + shards); keys
-lose their leading ``model.``. Models are built on the meta device and the checkpoint tensors are
+lose their leading ``model.``. Folders with only PyTorch weights (pytorch_model.bin, or its index and
+shards, as the original EAGLE heads ship) are read with ``torch.load(weights_only=True)``: torch's
+restricted unpickler, which builds tensors and plain containers and refuses any other object (so a
+crafted file cannot run code), the same rule HF transformers applies. Models are built on the meta device and the checkpoint tensors are
 assigned (no random init). Problems raise a one-paragraph :class:`CheckpointError` naming the file
 and the field or tensor.
 """
@@ -21,7 +24,8 @@ from specpipe.models.pair import ModelPair
 from specpipe.errors import SpecpipeError
 
 TARGET_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")  # read with torch.load(weights_only=True)
+PICKLE_SUFFIXES = (".ckpt", ".pkl")  # training checkpoints / arbitrary pickles: never opened
 
 
 class CheckpointError(SpecpipeError, ValueError):
@@ -130,38 +134,46 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
         extra=extra)
 
 
+def indexed_shards(folder: Path, index: Path, kind: str) -> list[Path]:
+    """The shard files an HF index (`weight_map`: tensor -> file) lists, all present."""
+    try:
+        wmap = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a valid {kind} index ({e})") from None
+    if not isinstance(wmap, dict) or not wmap:
+        raise CheckpointError(f"{index}: field 'weight_map' is missing or empty")
+    shards = sorted(set(wmap.values()))
+    for s in shards:
+        if not (folder / s).is_file():
+            raise CheckpointError(f"{index}: field 'weight_map' lists shard '{s}' but {folder / s} does not "
+                                  f"exist (an incomplete download?)")
+    return [folder / s for s in shards]
+
+
 def weight_files(folder: str | Path) -> list[Path]:
-    """The safetensors files of a folder; refuses pickle-only folders."""
+    """The weight files of a folder: safetensors first, else PyTorch state dicts; refuses general pickles."""
     folder = Path(folder)
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
         return [single]
     if index.is_file():
-        try:
-            wmap = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        if not isinstance(wmap, dict) or not wmap:
-            raise CheckpointError(f"{index}: field 'weight_map' is missing or empty")
-        shards = sorted(set(wmap.values()))
-        for s in shards:
-            if not (folder / s).is_file():
-                raise CheckpointError(f"{index}: field 'weight_map' lists shard '{s}' but {folder / s} does not "
-                                      f"exist (an incomplete download?)")
-        return [folder / s for s in shards]
+        return indexed_shards(folder, index, "safetensors")
     found = sorted(folder.glob("*.safetensors"))
     if found:
         return found
+    torch_index = folder / "pytorch_model.bin.index.json"
+    if torch_index.is_file():
+        return indexed_shards(folder, torch_index, "PyTorch")
+    found = sorted(p for p in folder.iterdir() if p.suffix in TORCH_SUFFIXES and p.is_file())
+    if found:
+        return found
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:  # never opened: unpickling runs code
+    if pickles:  # never opened: a general pickle can run code when loaded
         raise CheckpointError(
-            f"{folder / pickles[0]}: only pickle weights found ({', '.join(pickles)}); specpipe loads safetensors "
-            f"only, because unpickling a .bin/.pt file can execute arbitrary code. Convert it once, in an environment "
-            f"you trust: python -c \"import torch; from safetensors.torch import save_file; "
-            f"sd = torch.load('{folder / pickles[0]}', map_location='cpu', weights_only=True); "
-            f"save_file({{k: v.contiguous().clone() for k, v in sd.items()}}, '{single}', "
-            f"metadata={{'format': 'pt'}})\" "
-            f"(or load it with transformers and call save_pretrained(folder), which writes safetensors)")
+            f"{folder / pickles[0]}: only {', '.join(pickles)} found; specpipe reads model.safetensors or PyTorch "
+            f"state dicts (pytorch_model.bin, *.pt, *.pth, loaded with torch.load(weights_only=True)), never general "
+            f"pickles (.ckpt, .pkl), because unpickling them can execute arbitrary code. Export the model's state "
+            f"dict to model.safetensors (or save_pretrained with transformers) in an environment you trust")
     raise CheckpointError(f"{single}: file not found; {folder} holds no weights (expected model.safetensors, or "
                           f"model.safetensors.index.json with its shards)")
 
@@ -170,19 +182,38 @@ def read_tensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, Tenso
     """name -> tensor (floats converted to ``dtype``) and name -> (file, key); drops the ``model.`` prefix."""
     tensors, origin = {}, {}
     for f in files:
-        try:
-            handle = safe_open(str(f), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error type for corrupt headers
-            raise CheckpointError(f"{f}: cannot be read as safetensors ({e})") from None
-        with handle:
-            for key in handle.keys():
-                name = key[len("model."):] if key.startswith("model.") else key
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                t = handle.get_tensor(key)
-                tensors[name] = t.to(dtype) if t.is_floating_point() else t
-                origin[name] = (f, key)
+        for key, t in (torch_state_dict(f) if f.suffix in TORCH_SUFFIXES else safetensors_items(f)):
+            name = key[len("model."):] if key.startswith("model.") else key
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            tensors[name] = t.to(dtype) if t.is_floating_point() else t
+            origin[name] = (f, key)
     return tensors, origin
+
+
+def safetensors_items(f: Path):
+    try:
+        handle = safe_open(str(f), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error type for corrupt headers
+        raise CheckpointError(f"{f}: cannot be read as safetensors ({e})") from None
+    with handle:
+        for key in handle.keys():
+            yield key, handle.get_tensor(key)
+
+
+def torch_state_dict(f: Path) -> list:
+    """(name, tensor) of a PyTorch state dict file, read by torch's restricted (weights-only) unpickler."""
+    try:
+        sd = torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for anything but tensors and plain containers, or a broken file
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{f}: cannot be read as a PyTorch state dict with torch.load(weights_only=True) "
+                              f"({why}); give model.safetensors or a plain state dict of tensors") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in sd.items()):
+        raise CheckpointError(f"{f}: not a flat state dict (name -> tensor); found {type(sd).__name__}"
+                              f"{' with non-tensor entries' if isinstance(sd, dict) else ''}. Save "
+                              f"model.state_dict() (or model.safetensors) instead of a training checkpoint")
+    return list(sd.items())
 
 
 # tensor name part -> the config fields that set its shape (first match wins)

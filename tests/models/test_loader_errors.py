@@ -1,6 +1,7 @@
 """Loader round trips and the CheckpointError messages (file + field / tensor) of broken folders."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -70,11 +71,59 @@ def test_missing_weights(target_copy):
     _raises(lambda: load_target(target_copy), str(target_copy / "model.safetensors"), "no weights")
 
 
-def test_pickle_only_is_refused(target_copy):
+def test_general_pickles_are_refused_unopened(target_copy):
     (target_copy / "model.safetensors").unlink()
-    (target_copy / "pytorch_model.bin").write_bytes(b"not really a pickle")  # must never be opened
-    _raises(lambda: load_target(target_copy), "pytorch_model.bin", "pickle", "execute arbitrary code",
-            "save_file")
+    (target_copy / "last.ckpt").write_bytes(b"not really a pickle")  # must never be opened
+    _raises(lambda: load_target(target_copy), "last.ckpt", "never general pickles", "execute arbitrary code")
+
+
+class _Payload:
+    """Unpickling this calls Path.touch(marker): what a crafted checkpoint would do with os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pytorch_state_dicts_load_like_safetensors(saved, target_copy, tmp_path):
+    pair, target_dir, eagle_dir = saved
+    sd = load_file(target_copy / "model.safetensors")
+    (target_copy / "model.safetensors").unlink()
+    torch.save(sd, target_copy / "pytorch_model.bin")  # what the original EAGLE repos ship
+    ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(3))
+    want = load_target(target_dir)
+    got = load_target(target_copy)
+    assert torch.equal(got.logits(got(ids)), want.logits(want(ids)))
+    # sharded: pytorch_model.bin.index.json + shards
+    (target_copy / "pytorch_model.bin").unlink()
+    keys = sorted(sd)
+    parts = {"pytorch_model-00001-of-00002.bin": keys[::2], "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for name, part in parts.items():
+        torch.save({k: sd[k] for k in part}, target_copy / name)
+    (target_copy / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, part in parts.items() for k in part}}))
+    got = load_target(target_copy)
+    assert torch.equal(got.logits(got(ids)), want.logits(want(ids)))
+    # an EAGLE head folder with pytorch_model.bin
+    head = shutil.copytree(eagle_dir, tmp_path / "eagle")
+    torch.save(load_file(head / "model.safetensors"), head / "pytorch_model.bin")
+    (head / "model.safetensors").unlink()
+    a, b = load_draft(head, want), load_draft(eagle_dir, want)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_a_crafted_or_broken_pytorch_file_is_refused_without_running_code(target_copy, tmp_path):
+    (target_copy / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    torch.save({"embed_tokens.weight": _Payload(marker)}, target_copy / "pytorch_model.bin")
+    _raises(lambda: load_target(target_copy), "pytorch_model.bin", "weights_only=True")
+    assert not marker.exists()  # the restricted unpickler never called Path.touch
+    (target_copy / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    _raises(lambda: load_target(target_copy), "pytorch_model.bin", "cannot be read as a PyTorch state dict")
+    torch.save({"state_dict": {"a": torch.zeros(2)}, "epoch": 3}, target_copy / "pytorch_model.bin")
+    _raises(lambda: load_target(target_copy), "pytorch_model.bin", "not a flat state dict")
 
 
 def test_shape_mismatch(target_copy):
