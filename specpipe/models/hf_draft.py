@@ -1,4 +1,4 @@
-"""Load EAGLE-1/2 and EAGLE-3 draft heads (safetensors) for an already loaded target."""
+"""Load EAGLE-1/2 and EAGLE-3 draft heads (safetensors or PyTorch state dicts) for an already loaded target."""
 from __future__ import annotations
 
 from pathlib import Path
