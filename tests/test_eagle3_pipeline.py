@@ -25,3 +25,6 @@ def test_eagle3_head_drafts_losslessly(prompts_file):
     assert [r.output_ids for r in out["requests"]] == want
     assert out["metrics"]["kv_leaked_slots"] == 0
     assert out["metrics"]["num_verify_steps"] > 0
+    # the target's forwards that also return aux layers go through its forward (and so the model timer)
+    sm, mm = out["metrics"]["stage_ms"], out["metrics"]["stage_model_ms"]
+    assert 0 < mm["verify"] <= sm["verify"] and 0 < mm["prefill"] <= sm["prefill"]

@@ -36,14 +36,7 @@ def target_forward_aux(target: LlamaForCausalLM, input_ids: Tensor, batch: Optio
     Returns ([B, Q, H] final-norm hidden, [B, Q, len(layers)*H] aux hidden). Layer i's output is
     the residual stream after decoder layer i (the input of layer i+1).
     """
-    x = target.embed_tokens(input_ids)  # [B, Q, H]
-    cos, sin = target.rotary(_positions(input_ids, batch), x.dtype)
-    outs: dict[int, Tensor] = {}
-    for i, layer in enumerate(target.layers):
-        x = layer(x, cos, sin, batch, target.kv)
-        outs[i] = x
-    aux = torch.cat([outs[i] for i in layers], dim=-1) if layers else x[..., :0]
-    return target.norm(x), aux
+    return target(input_ids, batch, aux_layers=list(layers))
 
 
 class Eagle3Layer(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -180,14 +180,25 @@ class LlamaForCausalLM(nn.Module):
                          p.device, window_slots, self.window_layers(), track_selection)
         return self.kv
 
-    def forward(self, input_ids: Tensor, batch: Optional[AttentionBatch] = None) -> Tensor:
+    def forward(self, input_ids: Tensor, batch: Optional[AttentionBatch] = None,
+                aux_layers: Optional[Sequence[int]] = None):
+        """Final-norm hidden [B, Q, D]; with ``aux_layers`` (EAGLE-3), also those layers' outputs (the residual
+        stream after each), concatenated: ([B, Q, D], [B, Q, len(aux_layers)*D]). One forward either way, so
+        forward hooks (the model timer) see EAGLE-3's target forwards too."""
         x = self.embed_tokens(input_ids)  # [B, Q, D]
         positions = batch.positions if batch is not None else torch.arange(
             input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
+        keep = set(aux_layers or ())
+        outs: dict[int, Tensor] = {}  # only the requested layers' outputs stay alive
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, self.kv)
-        return self.norm(x)
+            if i in keep:
+                outs[i] = x
+        if aux_layers is None:
+            return self.norm(x)
+        aux = torch.cat([outs[i] for i in aux_layers], dim=-1) if aux_layers else x[..., :0]
+        return self.norm(x), aux
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
