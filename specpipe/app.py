@@ -138,7 +138,8 @@ def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, d
     if d.method == "ngram":
         return NgramProposer(d.topk, d.num_steps, d.num_draft_tokens, d.min_n, d.max_n, max_requests, max_context,
                              device.torch_device, cache_tokens=d.get("cache_tokens", 0),
-                             cache_prompts=bool(d.get("cache_prompts", False)))
+                             cache_prompts=bool(d.get("cache_prompts", False)),
+                             running_tokens=d.get("running_tokens", 0))
     if d.method == "standalone":
         from specpipe.drafters.standalone import StandaloneDrafter
 

@@ -10,9 +10,10 @@ so the verify/commit code in `spec_pipeline` is shared by every drafter.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from specpipe.drafters.ngram import NgramDrafter
+from specpipe.drafters.ngram import SEP, NgramDrafter
 from specpipe.drafters.suffix import SuffixCache
 from specpipe.models.attention_batch import extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket
@@ -100,13 +101,17 @@ class NgramProposer:
     """Prompt lookup: drafts continuations of the request's own context; no model, no KV.
 
     With cache_tokens > 0 it also matches in a `SuffixCache` of the newest finished requests'
-    outputs (and prompts, with cache_prompts): suffix decoding across requests."""
+    outputs (and prompts, with cache_prompts): suffix decoding across requests. With running_tokens > 0
+    it also matches in the other running requests' histories (their newest running_tokens // B tokens
+    each), so requests decoded together draft from one another."""
 
     def __init__(self, topk: int, num_steps: int, num_draft_tokens: int, min_n: int, max_n: int,
-                 max_requests: int, max_context: int, device, cache_tokens: int = 0, cache_prompts: bool = False):
+                 max_requests: int, max_context: int, device, cache_tokens: int = 0, cache_prompts: bool = False,
+                 running_tokens: int = 0):
         self.drafter = NgramDrafter(num_steps, topk, num_draft_tokens, min_n, max_n)
         self.cache = SuffixCache(cache_tokens, device) if cache_tokens > 0 else None
         self.cache_prompts = cache_prompts
+        self.running_tokens = running_tokens
         self.K = topk
         self.bad = None
         self.S = num_steps
@@ -137,7 +142,29 @@ class NgramProposer:
         width = int(L.max()) + 1
         ctx = self.tokens[rows_t, :width]
         corpus = None if self.cache is None else self.cache.tokens
+        if self.running_tokens > 0 and len(L) > 1:
+            corpus = self.running_corpus(ctx, L, corpus)
         return self.drafter.propose(ctx, L_t + 1, L_t, corpus), None
+
+    def running_corpus(self, ctx, L: np.ndarray, cache_tokens) -> torch.Tensor:
+        """[B, Lc + Lr] per-request corpus: the cache, then every running request's history (its newest
+        running_tokens // B tokens, root included, then SEP), with row b's own history blanked to SEP (its
+        own context is matched anyway, after the corpus). Index arithmetic on the host lengths L: no device read."""
+        B = len(L)
+        n = np.minimum(L + 1, max(1, self.running_tokens // B))  # tokens each history contributes
+        Lr = int((n + 1).sum())
+        seg = np.repeat(np.arange(B), n + 1)  # which request each corpus position comes from
+        off = np.arange(Lr) - np.repeat(np.cumsum(n + 1) - (n + 1), n + 1)  # position inside its segment
+        col = np.minimum(np.repeat(L + 1 - n, n + 1) + off, ctx.shape[1] - 1)  # the newest n tokens of the row
+        dev = ctx.device
+        seg_t = torch.from_numpy(seg).to(dev)
+        flat = ctx[seg_t, torch.from_numpy(col).to(dev)].to(torch.int32)
+        sep = torch.from_numpy(off == np.repeat(n, n + 1)).to(dev)
+        flat = torch.where(sep, torch.full_like(flat, SEP), flat)
+        rows = torch.where(seg_t[None, :] == torch.arange(B, device=dev)[:, None], torch.full_like(flat, SEP), flat)
+        if cache_tokens is None or not cache_tokens.numel():
+            return rows
+        return torch.cat([cache_tokens.to(torch.int32).expand(B, -1), rows], 1)
 
     def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
         d = torch.arange(commit.shape[1], device=commit.device)

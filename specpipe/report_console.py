@@ -10,7 +10,8 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
 
     c = m["config"]
     d = c["draft"]
-    name = "suffix" if d["method"] == "ngram" and d.get("cache_tokens", 0) > 0 else d["method"]
+    cross = d.get("cache_tokens", 0) > 0 or d.get("running_tokens", 0) > 0
+    name = "suffix" if d["method"] == "ngram" and cross else d["method"]
     shape = "draft=none" if d["method"] == "none" else \
         f"draft={name} topk={d['topk']} steps={d['num_steps']} tokens={d['num_draft_tokens']}"
     t = Table(title=f"specpipe: {shape}, allocator={c['allocator']['_target_'].rsplit('.', 1)[-1]}")

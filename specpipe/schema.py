@@ -140,6 +140,7 @@ class NgramDraftConf(DraftConf):
     max_n: int = 3  # longest n-gram to match (tried first)
     cache_tokens: int = 0  # also match in the newest finished requests' outputs, up to this many tokens (0: off)
     cache_prompts: bool = False  # the cache keeps each finished request's prompt too, not only its output
+    running_tokens: int = 0  # also match in the other running requests' histories, this many tokens in all (0: off)
 
 
 @dataclass

@@ -39,6 +39,9 @@ def _draft(d, errors: list) -> None:
     if d.method == "ngram" and d.get("cache_tokens", 0) < 0:
         errors.append(f"draft.cache_tokens={d.cache_tokens} must be >= 0 (0: no cross-request cache; e.g. 8192 "
                       "keeps the newest finished outputs up to that many tokens)")
+    if d.method == "ngram" and d.get("running_tokens", 0) < 0:
+        errors.append(f"draft.running_tokens={d.running_tokens} must be >= 0 (0: requests decoded together do not "
+                      "draft from one another; e.g. 4096 shares up to that many of their newest tokens)")
     for key in ("topk", "num_steps"):
         if d[key] < 1:
             errors.append(f"draft.{key}={d[key]} must be >= 1")

@@ -46,6 +46,7 @@ CASES = [
     (["draft=suffix", "draft.max_n=300"], "need 1 <= min_n <= max_n <= 255", True),
     (["draft=suffix", "draft.cache_tokens=-5"], "draft.cache_tokens=-5 must be >= 0", True),
     (["draft=suffix", "draft.cache_tokens=lots"], "draft.cache_tokens: 'lots' is not an integer", True),
+    (["draft=suffix", "draft.running_tokens=-1"], "draft.running_tokens=-1 must be >= 0", True),
     (["device.dtype=float8"], "device.dtype='float8' is unknown", True),
     (["device.num_threads=0"], "device.num_threads=0 must be >= 1", True),
     (["device.weight_layout=diagonal"], "device.weight_layout='diagonal' is not valid: use one of auto, row, column", True),

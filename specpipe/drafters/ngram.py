@@ -29,7 +29,8 @@ A request without any match gets only unlinked padding nodes (token = root, pare
 the verifiers never accept, so it commits exactly the bonus token.
 
 `propose(..., corpus=...)` also matches in other texts (draft=suffix: `SuffixCache`, the newest
-finished requests' outputs), read as if they came before the request's own history. Texts are
+finished requests' outputs, and the other running requests' histories; one corpus for the batch [Lc]
+or one per request [B, Lc]), read as if they came before the request's own history. Texts are
 separated by SEP = -1, which equals no token: a match (the tail included) and a continuation both
 stop at it.
 """
@@ -117,14 +118,16 @@ class NgramDrafter:
         """context [B, Lmax] token history ending with the root (the last committed token) at
         lengths[b]-1; seq_lens [B] the root's target position. Returns the draft `Tree` [B, N].
 
-        corpus [Lc]: more text to match in (`SuffixCache.tokens`: segments, each ending with SEP),
+        corpus [Lc] or [B, Lc]: more text to match in (segments, each ending with SEP: `SuffixCache.tokens`,
+        per request also the other running requests' histories),
         read as if it came before every request's history: a longer match there beats a shorter one
         in the request's own context, and at equal n the request's own (more recent) match wins."""
         B = context.shape[0]
         context = context.to(torch.int32)  # token ids fit; halves what the scans read
         if corpus is not None and corpus.numel():
-            context = torch.cat([corpus.to(torch.int32).expand(B, -1), context], 1)
-            lengths = lengths + corpus.numel()
+            corpus = corpus.to(torch.int32)
+            context = torch.cat([corpus.expand(B, -1) if corpus.dim() == 1 else corpus, context], 1)
+            lengths = lengths + corpus.shape[-1]
         S, N, M = self.S, self.N, self.M
         dev = context.device
         win, wlen, n = self.candidates(context, lengths)  # [B,M,S], [B,M], [B,M]

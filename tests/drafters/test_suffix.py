@@ -1,4 +1,5 @@
 """The cross-request cache (draft=suffix): its eviction, and n-gram drafting over corpus + own context."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -124,3 +125,52 @@ def test_finished_requests_feed_the_cache_errors_do_not(cache_prompts):
     want = ([1, 2, 3] if cache_prompts else []) + [7, 8, SEP]
     assert prop.cache.tokens.tolist() == want
     assert NgramProposer(4, 3, 9, 1, 3, 2, 32, "cpu").cache is None  # cache_tokens=0: prompt lookup only
+
+
+def test_running_corpus_holds_the_other_requests_newest_tokens():
+    from specpipe.proposers import NgramProposer
+
+    prop = NgramProposer(4, 3, 9, 1, 3, max_requests=3, max_context=16, device="cpu", running_tokens=12)
+    ctx = torch.tensor([[10, 11, 12, 13, 14, 15, 0],
+                        [20, 21, 22, 0, 0, 0, 0],
+                        [30, 31, 32, 33, 34, 35, 36]])
+    L = np.array([5, 2, 6])  # the root of row b sits at L[b]: histories of 6, 3 and 7 tokens
+    rows = prop.running_corpus(ctx, L, None).tolist()
+    # each request contributes its newest 12 // 3 = 4 tokens (all 3 of row 1), then SEP; its own part is blanked
+    h0, h1, h2 = [12, 13, 14, 15, SEP], [20, 21, 22, SEP], [33, 34, 35, 36, SEP]
+    blank = lambda h: [SEP] * len(h)  # noqa: E731
+    assert rows == [blank(h0) + h1 + h2, h0 + blank(h1) + h2, h0 + h1 + blank(h2)]
+    cache = torch.tensor([7, 8, SEP], dtype=torch.int32)
+    with_cache = prop.running_corpus(ctx, L, cache)
+    assert with_cache[:, :3].tolist() == [[7, 8, SEP]] * 3 and with_cache[:, 3:].tolist() == rows
+
+
+def test_requests_decoded_together_draft_from_one_another(tmp_path):
+    """B's prompt already holds the continuation A is about to generate: with running_tokens, A drafts it."""
+    import json
+
+    from helpers import compose, random_prompts
+    from specpipe.app import run
+    from specpipe.models.random_tiny import build_random_tiny
+
+    pair = build_random_tiny(seed=0, dtype="float64")
+    base = ["model=random_tiny", "device.dtype=float64", "workload.max_new_tokens=24"]
+
+    def write(prompts_ids):
+        path = tmp_path / f"p{len(list(tmp_path.iterdir()))}.jsonl"
+        path.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in prompts_ids))
+        return f"workload.prompts_file={path}"
+
+    P = [pair.tokenizer.encode(t) for t in random_prompts(5, [30, 40])]
+    first = run(compose(*base, write(P), "draft=none"), quiet=True, pair=pair)["requests"]
+    # A_i = P_i (it will generate G_i); B_i = P_i + G_i, a request already "ahead" of A_i
+    prompts = P + [p + r.output_ids for p, r in zip(P, first)]
+    common = [*base, write(prompts), "workload.batch_size=4", "draft=suffix", "draft.cache_tokens=0"]
+    plain = [r.output_ids for r in run(compose(*common[:-2], "draft=none"), quiet=True, pair=pair)["requests"]]
+    off = run(compose(*common, "draft.running_tokens=0"), quiet=True, pair=pair)
+    on = run(compose(*common, "draft.running_tokens=4096"), quiet=True, pair=pair)
+    assert [r.output_ids for r in on["requests"]] == [r.output_ids for r in off["requests"]] == plain
+    assert [r.output_ids for r in on["requests"][:2]] == [r.output_ids for r in first]
+    al_off, al_on = off["metrics"]["accept_length_mean"], on["metrics"]["accept_length_mean"]
+    assert al_on > al_off + 0.5, (al_on, al_off)
+    assert on["metrics"]["kv_leaked_slots"] == 0
