@@ -8,6 +8,9 @@ measured end to end by scripts/bench_vs_hf.py (draft=suffix vs draft=ngram).
 
     python scripts/bench_suffix_cache.py
     python scripts/bench_suffix_cache.py --batches 1 8 32 --sizes 0 4096 65536
+
+A second table times the same propose with the other running requests' histories added to each
+request's corpus (draft.running_tokens), building that corpus included.
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--running", type=int, nargs="+", default=[0, 4096],
+                    help="draft.running_tokens values for the second table (batches above 1)")
+    ap.add_argument("--running-cache", type=int, default=8192, help="cache tokens in the second table (draft=suffix's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -64,6 +70,36 @@ def main() -> None:
             ms = time_call(lambda: drafter.propose(ctx, lens, lens - 1, corpus), args.repeats)
             base = ms if base is None else base
             print(f"| {b} | {len(cache)} | {ms:.3f} | {ms / base:.2f}x |", flush=True)
+
+    # draft.running_tokens: the other running requests' histories join each request's corpus
+    from specpipe.proposers import NgramProposer
+
+    size = args.running_cache
+    print(f"\nWith the running requests' histories (draft.running_tokens), a {size}-token cache:\n")
+    print("| batch | running_tokens | corpus tokens per request | ms per propose (corpus built included) | vs 0 |")
+    print("|---:|---:|---:|---:|---:|")
+    cache = SuffixCache(size)
+    while size and len(cache) + args.text + 1 <= size:
+        cache.add(torch.randint(0, args.vocab, (args.text,), generator=g).tolist())
+    for b in args.batches:
+        if b < 2:
+            continue
+        hist = torch.randint(0, args.vocab, (b, args.history), generator=g).tolist()
+        ctx, lens = pack_histories(hist)
+        L = (lens - 1).numpy()
+        base = None
+        for running in args.running:
+            prop = NgramProposer(4, 15, 16, 1, 5, b, args.history, "cpu", running_tokens=running)
+
+            def call():
+                corpus = prop.running_corpus(ctx, L, cache.tokens) if running else cache.tokens
+                drafter.propose(ctx, lens, lens - 1, corpus)
+                return corpus
+
+            width = call().shape[-1]
+            ms = time_call(call, args.repeats)
+            base = ms if base is None else base
+            print(f"| {b} | {running} | {width} | {ms:.3f} | {ms / base:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
