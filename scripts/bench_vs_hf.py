@@ -281,7 +281,7 @@ def main() -> None:
                     for k in pld_steps]
         methods.append(Method("specpipe draft=ngram (default trie: topk=4 steps=8 ntok=12)", b, sp_fn(b, ["draft=ngram"]),
                               "sp", "hf_pld"))
-        methods.append(Method("specpipe draft=suffix (own context + cache of earlier outputs)", b,
+        methods.append(Method("specpipe draft=suffix (own context + other running requests + cache of earlier outputs)", b,
                               sp_fn(b, ["draft=suffix"]), "sp", "hf_pld"))
         if pair.draft is not None:
             for c in args.eagle_configs:
