@@ -52,12 +52,12 @@ class Request:
 
 
 def stop_set(eos) -> frozenset:
-    """EOS as given (None, one id, or several) -> the set of ids that end a request."""
+    """EOS as given (None, one id, or several, None entries ignored) -> the set of ids that end a request."""
     if eos is None:
         return frozenset()
     if isinstance(eos, int):
         return frozenset([eos])
-    return frozenset(int(t) for t in eos)
+    return frozenset(int(t) for t in eos if t is not None)
 
 
 class Pipeline:
@@ -170,10 +170,8 @@ class Pipeline:
         last = lens_t - 1
         packed = self.pack_prefill(batch, lens, T) if len(reqs) > 1 and int(lens.min()) < T else None
         fwd_ids, fwd_batch = (ids, batch) if packed is None else (ids.reshape(1, -1)[:, packed[0]], packed[1])
-        if self.feature_layers:
-            from specpipe.models.eagle3 import target_forward_aux
-
-            final, hidden = target_forward_aux(self.target, fwd_ids, fwd_batch, self.feature_layers)  # hidden: features
+        if self.feature_layers:  # EAGLE-3: hidden = the chosen layers' outputs (features)
+            final, hidden = self.target(fwd_ids, fwd_batch, aux_layers=self.feature_layers)
         else:
             final = hidden = self.target(fwd_ids, fwd_batch)  # [B, T, H]
         if packed is not None:  # back to [B, T, ...] (zeros at padding) for the drafters' join

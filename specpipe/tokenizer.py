@@ -53,12 +53,9 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def stop_token_ids(tokenizer) -> tuple:
-    """Every id that ends a request: `eos_token_ids` when the tokenizer has several, else its one EOS."""
-    many = [t for t in getattr(tokenizer, "eos_token_ids", None) or () if t is not None]
-    if many:
-        return tuple(many)
-    return () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+def stop_token_ids(tokenizer):
+    """What ends a request (for `pipeline.stop_set`): `eos_token_ids` when the tokenizer lists several, else its EOS."""
+    return getattr(tokenizer, "eos_token_ids", None) or tokenizer.eos_token_id
 
 
 def tokenizer_from_description(desc: dict, folder: Optional[Path] = None):

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head (SafeAILab EAGLE-3 / SpecForge checkpoint layout) and target aux-hidden capture.
+"""EAGLE-3 draft head (SafeAILab EAGLE-3 / SpecForge layout); the target gives its aux layers via forward(aux_layers=).
 
 The target's outputs of three layers (low, mid, high) are concatenated and fused by ``fc``
 (3*H -> H). One decoder layer ("midlayer") normalizes the token embedding (``input_layernorm``)
@@ -27,16 +27,6 @@ def _positions(input_ids: Tensor, batch: Optional[AttentionBatch]) -> Tensor:
     if batch is not None:
         return batch.positions
     return torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-
-
-def target_forward_aux(target: LlamaForCausalLM, input_ids: Tensor, batch: Optional[AttentionBatch] = None,
-                       layers: Sequence[int] = ()) -> tuple[Tensor, Tensor]:
-    """Run ``target`` like its forward and also return the outputs of ``layers``, concatenated.
-
-    Returns ([B, Q, H] final-norm hidden, [B, Q, len(layers)*H] aux hidden). Layer i's output is
-    the residual stream after decoder layer i (the input of layer i+1).
-    """
-    return target(input_ids, batch, aux_layers=list(layers))
 
 
 class Eagle3Layer(nn.Module):
@@ -104,7 +94,7 @@ class Eagle3Head(nn.Module):
     def capture(self, target: LlamaForCausalLM, input_ids: Tensor,
                 batch: Optional[AttentionBatch] = None) -> tuple[Tensor, Tensor]:
         """Run the target; returns ([B, Q, H] final hidden, [B, Q, 3*Ht] this head's aux hidden)."""
-        return target_forward_aux(target, input_ids, batch, self.aux_layers)
+        return target(input_ids, batch, aux_layers=self.aux_layers)
 
     def forward(self, input_ids: Tensor, target_hidden: Tensor, batch: Optional[AttentionBatch] = None) -> Tensor:
         """[B, Q] ids, [B, Q, 3*Ht] target aux hidden (or [B, Q, H] own hidden) -> [B, Q, H] draft hidden."""

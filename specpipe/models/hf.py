@@ -4,8 +4,8 @@ A folder holds config.json and model.safetensors (or model.safetensors.index.jso
 lose their leading ``model.``. Folders with only PyTorch weights (pytorch_model.bin, or its index and
 shards, as the original EAGLE heads ship) are read with ``torch.load(weights_only=True)``: torch's
 restricted unpickler, which builds tensors and plain containers and refuses any other object (so a
-crafted file cannot run code), the same rule HF transformers applies. Models are built on the meta device and the checkpoint tensors are
-assigned (no random init). Problems raise a one-paragraph :class:`CheckpointError` naming the file
+crafted file cannot run code), the same rule HF transformers applies. Models are built on the meta
+device and the checkpoint tensors are assigned (no random init). Problems raise a one-paragraph :class:`CheckpointError` naming the file
 and the field or tensor.
 """
 from __future__ import annotations

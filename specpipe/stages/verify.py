@@ -15,9 +15,7 @@ from specpipe.stages.base import Stage, branch
 def target_features(model, tokens: Tensor, batch, feature_layers=None):
     """Logits and the hidden features a drafter consumes: the final hidden, or (EAGLE-3) chosen layers."""
     if feature_layers:
-        from specpipe.models.eagle3 import target_forward_aux
-
-        hidden, feats = target_forward_aux(model, tokens, batch, feature_layers)
+        hidden, feats = model(tokens, batch, aux_layers=feature_layers)
         return model.logits(hidden), feats
     hidden = model(tokens, batch)
     return model.logits(hidden), hidden
