@@ -42,7 +42,12 @@ def hydra_main(cfg: DictConfig) -> float:
             return float("nan")
         sys.exit(e.exit_code)
     clear_error(out_dir)
-    return objective(result["metrics"], cfg.latency_limit_ms)
+    m = result["metrics"]
+    if not multirun and m["num_requests"] and m["num_errors"] == m["num_requests"]:
+        print(f"specpipe: every request failed ({m['num_errors']} of {m['num_requests']}; the reasons are listed "
+              "above and in completions.jsonl)", file=sys.stderr)
+        sys.exit(1)
+    return objective(m, cfg.latency_limit_ms)
 
 
 def main() -> None:

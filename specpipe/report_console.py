@@ -35,5 +35,12 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
     t.add_row("ms per round (model)", ", ".join(f"{k} {v:.2f} ({mm.get(k, 0.0):.2f})" for k, v in sm.items()))
     con = Console()
     con.print(t)
+    if m.get("num_errors"):
+        shown = m.get("request_errors", [])
+        more = m["num_errors"] - len(shown)
+        con.print(f"{m['num_errors']} of {m['num_requests']} requests failed"
+                  + (" (the rest are in completions.jsonl)" if more > 0 and out_dir else "") + ":", markup=False)
+        for e in shown:
+            con.print(f"  request {e['index']}: {e['error']}", markup=False, highlight=False)
     if out_dir:
         con.print(f"outputs: {out_dir}/metrics.json, {out_dir}/completions.jsonl")

@@ -52,16 +52,18 @@ def read_prompts_file(path: str) -> list[dict]:
     except (IsADirectoryError, PermissionError) as e:
         raise InputError(f"workload.prompts_file={path!r} cannot be read ({e.strerror}); give a readable "
                          "JSON-lines file") from None
-    items = []
+    items, not_json = [], 0
     for n, line in enumerate(raw.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError:
+            not_json += 1
             items.append({"error": f"line {n}: not valid UTF-8", "prompt": ""})
             continue
         except json.JSONDecodeError as e:
+            not_json += 1
             items.append({"error": f"line {n}: not valid JSON ({e.msg})", "prompt": ""})
             continue
         if isinstance(obj, dict) and "prompt_ids" in obj and "prompt" not in obj:
@@ -84,4 +86,11 @@ def read_prompts_file(path: str) -> list[dict]:
     if not items:
         raise InputError(f"workload.prompts_file={path!r} holds no prompts (only blank lines); give one "
                          f'{{"prompt": "..."}} object per line')
+    if not_json == len(items):  # plain text, CSV, ...: not one request's typo but the wrong format
+        first = next(line for line in raw.split(b"\n") if line.strip())[:60].decode("utf-8", "replace")
+        raise InputError(f"workload.prompts_file={path!r} is not a JSON-lines file: none of its {len(items)} "
+                         f"non-blank lines is UTF-8 JSON (the first reads {first!r}). Give one JSON object per line, "
+                         f'e.g. {{"prompt": "def fib(n):"}} or {{"prompt_ids": [1, 2, 3]}}; to convert a '
+                         f"one-prompt-per-line text file: python -c 'import json,sys; [print(json.dumps("
+                         f'{{"prompt": l.rstrip(chr(10))}})) for l in sys.stdin]\' < prompts.txt > prompts.jsonl')
     return items

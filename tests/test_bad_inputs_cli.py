@@ -96,8 +96,10 @@ def test_every_case_exits_2_without_traceback(tmp_path):
         assert not (tmp_path / "run" / "metrics.json").exists()
 
 
-@pytest.mark.parametrize("content,fragment,early", [(b"", "is empty", True), (b"\n  \n\n", "holds no prompts", False)],
-                         ids=["empty", "blank-lines"])
+@pytest.mark.parametrize("content,fragment,early", [
+    (b"", "is empty", True), (b"\n  \n\n", "holds no prompts", False),
+    (b"def f(x):\n\xff\xfe\nclass A:\n", "none of its 3 non-blank lines is UTF-8 JSON (the first reads 'def f(x):')",
+     False)], ids=["empty", "blank-lines", "plain-text"])
 def test_a_prompts_file_without_prompts_exits_2(tmp_path, content, fragment, early):
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(content)
@@ -107,3 +109,12 @@ def test_a_prompts_file_without_prompts_exits_2(tmp_path, content, fragment, ear
     p = cli(args, tmp_path)
     assert p.returncode == 2 and fragment in p.stderr and "Traceback" not in p.stderr + p.stdout, p.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_a_run_where_every_request_fails_exits_1_and_keeps_its_outputs(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": ""}\n{"text": "no prompt field"}\n')
+    p = cli(SMALL + [f"workload.prompts_file={path}"], tmp_path)
+    assert p.returncode == 1 and "every request failed (2 of 2" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "request 0: empty prompt" in p.stdout and 'request 1: line 2: missing the "prompt" field' in p.stdout
+    assert (tmp_path / "run" / "metrics.json").exists() and (tmp_path / "run" / "completions.jsonl").exists()

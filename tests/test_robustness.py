@@ -37,6 +37,8 @@ def test_bad_requests_fail_alone(tmp_path, pair):
     assert "exceeds the model's context of 128" in msgs[4] and "outside the vocabulary" in msgs[5]
     assert "not valid JSON" in msgs[6]
     assert out["metrics"]["num_errors"] == 6 and out["metrics"]["kv_leaked_slots"] == 0
+    # metrics.json names the first five failures (the console summary prints them)
+    assert out["metrics"]["request_errors"] == [{"index": i, "error": msgs[i]} for i in (1, 2, 3, 4, 5)]
 
 
 def mixed_prompts(n, seed=0):
