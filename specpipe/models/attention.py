@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpipe.models.attention_batch import AttentionBatch, sdpa_mask
+from specpipe.models.norm import RMSNorm
 
 
 class KVPool:
@@ -144,7 +145,12 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=getattr(cfg, "o_proj_bias", False))
+        if getattr(cfg, "qk_norm", False):  # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.qkv_proj: Optional[nn.Linear] = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -158,12 +164,16 @@ class Attention(nn.Module):
             nq, nk = self.n_heads, self.n_kv
             qkv = self.qkv_proj(x).view(B, Q, nq + 2 * nk, self.hd)
             qk = qkv[:, :, : nq + nk]
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, :, :nq]), self.k_norm(qk[:, :, nq:])], 2)
             qk = qk * cos + rotate_half(qk) * sin
             q, k, v = qk[:, :, :nq], qk[:, :, nq:], qkv[:, :, nq + nk:]
         else:
             q = self.q_proj(x).view(B, Q, self.n_heads, self.hd)
             k = self.k_proj(x).view(B, Q, self.n_kv, self.hd)
             v = self.v_proj(x).view(B, Q, self.n_kv, self.hd)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q = q * cos + rotate_half(q) * sin  # cos/sin: [B, Q, 1, D]
             k = k * cos + rotate_half(k) * sin
         if batch is None and self.window is None:  # training: plain causal (dense) attention over the input

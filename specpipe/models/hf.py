@@ -1,4 +1,4 @@
-"""Load Llama / Mistral / Qwen2 targets and EAGLE heads from Hugging Face folders.
+"""Load Llama / Mistral / Qwen2 / Qwen3 targets and EAGLE heads from Hugging Face folders.
 
 A folder holds config.json and model.safetensors (or model.safetensors.index.json + shards); keys
 lose their leading ``model.``. Folders with only PyTorch weights (pytorch_model.bin, or its index and
@@ -23,7 +23,8 @@ from specpipe.models.hf_save import config_to_hf, save_eagle, save_target, to_dt
 from specpipe.models.pair import ModelPair
 from specpipe.errors import SpecpipeError
 
-TARGET_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+TARGET_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")  # read with torch.load(weights_only=True)
 PICKLE_SUFFIXES = (".ckpt", ".pkl")  # training checkpoints / arbitrary pickles: never opened
 
@@ -48,7 +49,7 @@ def read_config(folder: str | Path) -> dict:
 
 
 def _family(raw: dict, file: Path, draft: bool) -> str:
-    """llama | mistral | qwen2, from `architectures` (targets must name a supported one)."""
+    """llama | mistral | qwen2 | qwen3, from `architectures` (targets must name a supported one)."""
     arch = (raw.get("architectures") or [None])[0]
     if arch in TARGET_ARCHS:
         return TARGET_ARCHS[arch]
@@ -70,8 +71,14 @@ def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None) -
     return v
 
 
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+
+
 def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
-    """(rope_theta, rope_scaling) from v4 fields (rope_theta, rope_scaling) or v5 `rope_parameters`."""
+    """(rope_theta, rope_scaling) from v4 fields (rope_theta, rope_scaling) or v5 `rope_parameters`.
+
+    llama3 and yarn take original_max_position_embeddings from the top level of config.json, else from
+    max_position_embeddings, when the RoPE dict does not name it (as transformers does)."""
     key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     rp = raw.get(key) or {}
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
@@ -79,21 +86,30 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
                               f"is not supported), got {rp!r}")
     theta = float(raw.get("rope_theta") or rp.get("rope_theta") or 10000.0)
     kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind not in ("default", "llama3", "linear"):
+    if kind not in ROPE_TYPES:
         raise CheckpointError(f"{file}: field '{key}.rope_type' is {kind!r}, which specpipe does not implement "
-                              f"(valid: default, llama3, linear)")
-    if kind != "default" and "factor" not in rp:
-        raise CheckpointError(f"{file}: field '{key}.factor' is missing (required for rope_type {kind!r})")
+                              f"(valid: {', '.join(ROPE_TYPES)})")
+    factor = rp.get("factor")
+    if kind != "default" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0):
+        what = "is missing" if factor is None else f"must be a positive number, got {factor!r}"
+        raise CheckpointError(f"{file}: field '{key}.factor' {what} (required for rope_type {kind!r})")
     if float(raw.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))) != 1.0:
         raise CheckpointError(f"{file}: field 'partial_rotary_factor' must be 1.0 (partial RoPE is not supported)")
-    return theta, None if kind == "default" else {k: v for k, v in rp.items() if k != "rope_theta"}
+    if kind == "default":
+        return theta, None
+    scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if kind in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = _int_field(
+            raw, "original_max_position_embeddings" if raw.get("original_max_position_embeddings") else
+            "max_position_embeddings", file)
+    return theta, scaling
 
 
 def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[int], Optional[list]]:
     """(sliding_window, layer_types) with Hugging Face's semantics for each family."""
     if family == "mistral":  # HF Mistral applies the window to every layer
         return raw.get("sliding_window"), None
-    if family != "qwen2" or not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+    if family not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
         return None, None
     first = raw.get("max_window_layers", 28)
     types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -105,15 +121,15 @@ def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[i
 
 
 def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a Llama / Mistral / Qwen2 (or EAGLE head) ``config.json`` dict."""
+    """A :class:`LlamaConfig` from a Llama / Mistral / Qwen2 / Qwen3 (or EAGLE head) ``config.json`` dict."""
     family = _family(raw, file, draft)
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise CheckpointError(f"{file}: field 'hidden_act' is {raw['hidden_act']!r} (only silu is supported)")
     if raw.get("mlp_bias"):
         raise CheckpointError(f"{file}: field 'mlp_bias' is true, which specpipe's Llama MLP does not support")
-    if family == "llama" and raw.get("attention_bias"):
-        raise CheckpointError(f"{file}: field 'attention_bias' is true; Llama's attention_bias also adds an o_proj "
-                              f"bias, which specpipe does not support")
+    # Qwen2: q/k/v biases always, no o_proj bias; Llama and Qwen3: attention_bias puts a bias on all four
+    qkv_bias = family == "qwen2" or (family in ("llama", "qwen3") and bool(raw.get("attention_bias")))
+    o_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias"))
     layers = _int_field(raw, "num_hidden_layers", file, 1 if draft else None)
     heads = _int_field(raw, "num_attention_heads", file)
     theta, scaling = _rope(raw, file)
@@ -129,7 +145,8 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
         intermediate_size=_int_field(raw, "intermediate_size", file), head_dim=raw.get("head_dim"),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=family == "qwen2",
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
+        o_proj_bias=o_bias, qk_norm=family == "qwen3",
         sliding_window=window, layer_types=types, bos_token_id=raw.get("bos_token_id"), eos_token_id=eos,
         extra=extra)
 
@@ -219,7 +236,7 @@ def torch_state_dict(f: Path) -> list:
 # tensor name part -> the config fields that set its shape (first match wins)
 _QO, _KV = ("hidden_size", "num_attention_heads", "head_dim"), ("hidden_size", "num_key_value_heads", "head_dim")
 _EMB, _HEAD = ("vocab_size", "hidden_size"), ("vocab_size", "draft_vocab_size", "hidden_size")
-HINTS = (("embed_tokens", _EMB), ("lm_head", _HEAD), ("q_proj", _QO), ("o_proj", _QO), ("k_proj", _KV), ("v_proj", _KV),
+HINTS = (("embed_tokens", _EMB), ("lm_head", _HEAD), ("q_norm", ("head_dim",)), ("k_norm", ("head_dim",)), ("q_proj", _QO), ("o_proj", _QO), ("k_proj", _KV), ("v_proj", _KV),
          ("mlp", ("hidden_size", "intermediate_size")), ("fc", ("hidden_size", "target_hidden_size")),
          ("norm", ("hidden_size",)), ("d2t", ("draft_vocab_size",)), ("t2d", ("vocab_size",)))
 
@@ -263,7 +280,7 @@ def finish(module: nn.Module, cfg: LlamaConfig, device) -> nn.Module:
 
 def load_target(path: str | Path, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """A Llama / Mistral / Qwen2 target from a Hugging Face folder."""
+    """A Llama / Mistral / Qwen2 / Qwen3 target from a Hugging Face folder."""
     folder = Path(path)
     raw = read_config(folder)
     cfg = parse_config(raw, folder / "config.json")
@@ -328,6 +345,12 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
         raise CheckpointError(f"{folder / 'tokenizer.json'}: file not found, and config.json has no "
                               f"'specpipe_tokenizer' field; copy tokenizer.json from the model's Hugging Face repo "
                               f"into {folder}")
+    from specpipe.chat_template import ChatTemplateError, load_chat_template
+
+    try:  # a broken template fails only the requests that give "messages"
+        tok.chat_template, tok.chat_template_error = load_chat_template(folder), None
+    except ChatTemplateError as e:
+        tok.chat_template, tok.chat_template_error = None, str(e)
     if tok.vocab_size > cfg.vocab_size:
         raise CheckpointError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json field "
                               f"'vocab_size' is {cfg.vocab_size}")

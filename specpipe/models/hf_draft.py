@@ -33,6 +33,11 @@ def _match(cfg: LlamaConfig, target: LlamaForCausalLM, file: Path, names: tuple[
                                   f"this draft head was made for a different target model")
 
 
+def _has_qk_norm(tensors: dict) -> bool:
+    """Heads trained from a Qwen3 layer keep its per-head q/k norms; the config does not always say so."""
+    return any(n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) for n in tensors)
+
+
 def _fields(raw: dict, cfg: LlamaConfig, **more) -> dict:
     return {**raw, "head_dim": cfg.head_dim, "num_key_value_heads": cfg.num_key_value_heads, **more}
 
@@ -40,6 +45,7 @@ def _fields(raw: dict, cfg: LlamaConfig, **more) -> dict:
 def _load_eagle(raw, file, target, tensors, origin, device) -> EagleHead:
     """EAGLE-1/2: fc (2H -> H, with bias) + layers.N.* (layer 0 has no input norm) + shared embed / lm_head."""
     cfg = parse_config(raw, file, draft=True)
+    cfg.qk_norm = _has_qk_norm(tensors)
     _match(cfg, target, file, ("hidden_size", "vocab_size"))
     with torch.device("meta"):
         head = EagleHead(cfg, target, num_layers=cfg.num_hidden_layers, fc_bias="fc.bias" in tensors,
@@ -81,6 +87,7 @@ def _vocab_maps(raw, file, cfg, tensors, origin, vd: int) -> None:
 def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Head:
     """EAGLE-3: midlayer.* + fc (3*Ht -> H) + norm + lm_head (draft vocab) + d2t / t2d."""
     cfg = parse_config(raw, file, draft=True)
+    cfg.qk_norm = _has_qk_norm(tensors)
     tc = target.config
     _match(cfg, target, file, ("vocab_size",))
     own_embed = "embed_tokens.weight" in tensors

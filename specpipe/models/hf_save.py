@@ -14,7 +14,8 @@ from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
           "float64": torch.float64}  # float64: exact-equivalence tests
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
 
 
 def unfused(sd: dict) -> dict:
@@ -26,7 +27,9 @@ def _pick_arch(cfg: LlamaConfig) -> str:
     arch = cfg.extra.get("architecture")
     if arch in MODEL_TYPES:
         return arch
-    if cfg.attention_bias:
+    if cfg.qk_norm:
+        return "Qwen3ForCausalLM"
+    if cfg.attention_bias and not cfg.o_proj_bias:
         return "Qwen2ForCausalLM"
     return "MistralForCausalLM" if cfg.sliding_window is not None else "LlamaForCausalLM"
 
@@ -43,15 +46,26 @@ def config_to_hf(cfg: LlamaConfig, architecture: Optional[str] = None) -> dict:
            "eos_token_id": cfg.extra.get("eos_token_ids", cfg.eos_token_id)}
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
-    if arch == "Qwen2ForCausalLM":
+    if cfg.qk_norm != (arch == "Qwen3ForCausalLM"):
+        raise ValueError(f"{arch} cannot express this model's q/k norms (qk_norm={cfg.qk_norm}); Qwen3 has them")
+    if arch == "Qwen2ForCausalLM" and (not cfg.attention_bias or cfg.o_proj_bias):
+        raise ValueError("Qwen2ForCausalLM has q/k/v biases and no o_proj bias; this model does not")
+    if arch != "Qwen2ForCausalLM" and cfg.attention_bias != cfg.o_proj_bias:
+        raise ValueError(f"{arch}'s attention_bias puts a bias on q, k, v and o alike; save q/k/v-only biases "
+                         f"as Qwen2ForCausalLM")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         types = cfg.layer_types or ["sliding_attention"] * cfg.num_hidden_layers
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    max_window_layers=next((i for i, t in enumerate(types) if t == "sliding_attention"), 0))
         if cfg.sliding_window is not None:
             out["layer_types"] = list(types)
-    elif cfg.attention_bias:
-        raise ValueError(f"{arch} has no q/k/v-only attention bias; save this model as Qwen2ForCausalLM")
-    elif cfg.sliding_window is not None:
+        if arch == "Qwen3ForCausalLM":
+            out["attention_bias"] = cfg.o_proj_bias
+    elif cfg.attention_bias and arch != "LlamaForCausalLM":
+        raise ValueError(f"{arch} has no attention bias; save this model as LlamaForCausalLM or Qwen2ForCausalLM")
+    if cfg.attention_bias and arch == "LlamaForCausalLM":
+        out["attention_bias"] = True
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.sliding_window is not None:
         if arch != "MistralForCausalLM" or cfg.layer_types is not None:
             raise ValueError(f"{arch} cannot express this sliding-window layout (per-layer windows need Qwen2)")
         out["sliding_window"] = cfg.sliding_window

@@ -1,7 +1,8 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) whose attention reads and writes a slot-indexed KV pool.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) whose attention reads and writes a slot-indexed KV pool.
 
-One readable file in the gpt-fast spirit: RMSNorm, RoPE (with llama3-style scaling), grouped-query
-attention (optional q/k/v bias as in Qwen2, optional per-layer sliding window as in Mistral),
+One readable file in the gpt-fast spirit: RMSNorm, RoPE (with llama3, linear or YaRN scaling), grouped-query
+attention (optional q/k/v bias as in Qwen2, o bias as in Llama's attention_bias, per-head q/k RMSNorm as in
+Qwen3, optional per-layer sliding window as in Mistral),
 SwiGLU MLP, optional tied embeddings. With ``batch=None`` the model runs plain causal attention
 over the whole input (training); otherwise it follows an :class:`AttentionBatch`. The KV pool and
 the attention module (window pool, top-k sparse attention) live in :mod:`specpipe.models.attention`.
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from specpipe.models.attention import Attention, KVPool, fused_linear, rotate_half  # noqa: F401 (re-exported)
 from specpipe.models.attention_batch import AttentionBatch
+from specpipe.models.norm import RMSNorm  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -34,7 +36,9 @@ class LlamaConfig:
     rope_scaling: Optional[dict] = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2; Llama and Qwen3 with attention_bias)
+    o_proj_bias: bool = False  # o_proj bias too (Llama and Qwen3 with attention_bias; not Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on every q and k head before RoPE (Qwen3)
     sliding_window: Optional[int] = None
     layer_types: Optional[list] = None  # per layer "full_attention" | "sliding_attention"
     sparse_top_k: Optional[int] = None  # top-k sparse attention in the target (None: dense)
@@ -56,18 +60,6 @@ class LlamaConfig:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
-
-
 def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
     """Inverse frequencies, with llama3-style scaling or linear scaling when configured."""
     d = cfg.head_dim
@@ -87,9 +79,45 @@ def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
         inv = torch.where(is_mid, mid, scaled)
     elif kind == "linear":
         inv = inv / rs["factor"]
+    elif kind == "yarn":
+        inv = yarn_inv_freq(inv, d, cfg.rope_theta, rs)
     elif kind not in (None, "default"):
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (valid: llama3, linear, default)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (valid: llama3, linear, yarn, default)")
     return inv
+
+
+def yarn_inv_freq(inv: Tensor, d: int, theta: float, rs: dict) -> Tensor:
+    """YaRN: interpolated (inv / factor) low frequencies, original high ones, a linear ramp between the
+    dimensions that rotate beta_slow and beta_fast times over the original context."""
+    factor, ctx = rs["factor"], rs["original_max_position_embeddings"]
+    fast, slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
+        return d * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_of(fast), dim_of(slow)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)  # 1: interpolate
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_scale(cfg: LlamaConfig) -> float:
+    """YaRN's factor on cos/sin (it scales q.k by its square); 1 for every other RoPE."""
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    f, m, m_all = rs["factor"], rs.get("mscale"), rs.get("mscale_all_dim")
+    return mscale(f, m) / mscale(f, m_all) if m and m_all else mscale(f)
 
 
 class MLP(nn.Module):
@@ -142,11 +170,14 @@ class Rotary(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
+        self.scale = rope_attention_scale(cfg)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[..., None].to(torch.float64) * self.inv_freq.to(torch.float64)  # [B, Q, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if self.scale == 1.0:
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
 class LlamaForCausalLM(nn.Module):

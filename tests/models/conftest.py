@@ -11,6 +11,7 @@ COMMON = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention
               intermediate_size=128, max_position_embeddings=256, bos_token_id=298, eos_token_id=299)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 VARIANTS = {  # name -> (config class, model class, extra config fields)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama3_tied": ("LlamaConfig", "LlamaForCausalLM",
@@ -18,6 +19,15 @@ VARIANTS = {  # name -> (config class, model class, extra config fields)
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
     "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM",
                      dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    # Qwen3: per-head q/k norms, head_dim 32 != hidden / heads, YaRN RoPE (its cos/sin scale included)
+    "qwen3_yarn_tied": ("Qwen3Config", "Qwen3ForCausalLM",
+                        dict(head_dim=32, tie_word_embeddings=True, rope_theta=20000.0, rope_scaling=YARN_ROPE)),
+    "qwen3_bias_window": ("Qwen3Config", "Qwen3ForCausalLM",
+                          dict(attention_bias=True, use_sliding_window=True, sliding_window=6, max_window_layers=1)),
+    # Llama's attention_bias: q, k, v and o biases; YaRN with explicit mscale / beta settings
+    "llama_bias_yarn": ("LlamaConfig", "LlamaForCausalLM",
+                        dict(attention_bias=True, rope_scaling={**YARN_ROPE, "beta_fast": 16, "beta_slow": 2,
+                                                                "mscale": 0.8, "mscale_all_dim": 0.5})),
 }
 
 

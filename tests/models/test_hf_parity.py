@@ -1,4 +1,4 @@
-"""specpipe's Llama / Mistral / Qwen2 match transformers' logits (fp32, max abs diff <= 1e-4)."""
+"""specpipe's Llama / Mistral / Qwen2 / Qwen3 match transformers' logits (fp32, max abs diff <= 1e-4)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ TOL = 1e-4
 T = 20  # sequence length; longer than the Mistral (5) and Qwen2 (6) sliding windows
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3_tied", "mistral_window", "qwen2_window"])
+@pytest.fixture(scope="module", params=["llama", "llama3_tied", "mistral_window", "qwen2_window", "qwen3_yarn_tied",
+                                        "qwen3_bias_window", "llama_bias_yarn"])
 def checkpoint(request, make_hf_model, tmp_path_factory):
     """(folder, ids [2, T], reference logits [2, T, V]) of a saved random transformers model."""
     model = make_hf_model(request.param)
@@ -117,3 +118,17 @@ def test_save_target_is_readable_by_transformers(transformers, tmp_path):
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(7))
     ref = model(ids).logits
     assert (pair.target.logits(pair.target(ids)) - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("variant", ["qwen3_bias_window", "llama_bias_yarn"])
+@torch.no_grad()
+def test_saved_qwen3_and_biased_llama_read_back_by_transformers(transformers, make_hf_model, tmp_path, variant):
+    """save_target writes q/k norms, o_proj biases and YaRN settings that transformers reads as it wrote them."""
+    model = make_hf_model(variant, seed=8)
+    model.save_pretrained(tmp_path / "orig")
+    target = load_target(tmp_path / "orig")
+    save_target(target, None, tmp_path / "copy")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "copy").eval()
+    assert type(back) is type(model)
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(9))
+    assert (back(ids).logits - model(ids).logits).abs().max().item() <= TOL

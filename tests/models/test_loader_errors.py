@@ -152,8 +152,10 @@ def test_config_errors(target_copy, edit_config):
     _raises(lambda: load_target(target_copy), cfg, "'architectures'", "GPT2LMHeadModel", "LlamaForCausalLM")
     edit_config(target_copy, architectures=["LlamaForCausalLM"], hidden_size=None)
     _raises(lambda: load_target(target_copy), cfg, "'hidden_size' is missing")
-    edit_config(target_copy, hidden_size=64, rope_scaling={"rope_type": "yarn", "factor": 2.0})
-    _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.rope_type'", "yarn")
+    edit_config(target_copy, hidden_size=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.rope_type' is 'dynamic'", "llama3, linear, yarn")
+    edit_config(target_copy, rope_scaling={"rope_type": "yarn", "factor": "4x"})
+    _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.factor' must be a positive number, got '4x'")
     (target_copy / "config.json").write_text("{not json")
     _raises(lambda: load_target(target_copy), cfg, "not valid JSON")
 
@@ -214,6 +216,20 @@ def test_parse_config_variants():
     assert qwen_off.sliding_window is None
     mistral = parse_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 8}, f)
     assert [mistral.window_of(i) for i in range(4)] == [8] * 4
+    # llama3 / yarn without original_max_position_embeddings: the top-level field, else max_position_embeddings
+    no_ctx = {"rope_type": "yarn", "factor": 4.0}
+    top = parse_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": no_ctx,
+                        "original_max_position_embeddings": 32, "max_position_embeddings": 128}, f)
+    assert top.rope_scaling["original_max_position_embeddings"] == 32
+    ctx = parse_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": no_ctx,
+                        "max_position_embeddings": 128}, f)
+    assert ctx.rope_scaling["original_max_position_embeddings"] == 128
+    # attention biases: Qwen2 q/k/v only; Llama and Qwen3 attention_bias adds o_proj's; Qwen3 q/k norms
+    llama_b = parse_config({**base, "architectures": ["LlamaForCausalLM"], "attention_bias": True}, f)
+    assert llama_b.attention_bias and llama_b.o_proj_bias and not llama_b.qk_norm
+    assert not qwen.o_proj_bias and not qwen.qk_norm
+    qwen3 = parse_config({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}, f)
+    assert qwen3.qk_norm and not qwen3.attention_bias and not qwen3.o_proj_bias and qwen3.head_dim == 32
 
 
 def test_load_tiny_assets():
