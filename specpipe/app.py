@@ -20,7 +20,7 @@ from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
 from specpipe.stages.prepare_decode import target_kv_layout
-from specpipe.tokenizer import stop_token_ids
+from specpipe.tokenizer import encode_chat, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.validate import one_request_slots, to_container, validate
 from specpipe.workload import load_prompts
@@ -111,6 +111,12 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             if bad:
                 r.finish_reason = "error"
                 r.error = f"prompt_ids {bad[:5]} are outside the vocabulary (valid: 0..{vocab_size - 1})"
+                continue
+        elif "messages" in it:  # rendered with the model's chat template; the text is kept as the prompt
+            try:
+                r.prompt, r.prompt_ids = encode_chat(tokenizer, it["messages"])
+            except ValueError as e:  # ChatTemplateError included
+                r.finish_reason, r.error = "error", f"the chat cannot be turned into a prompt: {e}"
                 continue
         else:
             try:

@@ -195,7 +195,7 @@ class CompileConf:
 # ---- workload ---------------------------------------------------------------------------
 @dataclass
 class WorkloadConf:
-    prompts_file: Optional[str] = None  # JSON lines with a "prompt" field; None: built-in prompts
+    prompts_file: Optional[str] = None  # JSON lines: "prompt", "prompt_ids" or chat "messages"; None: built-in
     prompt_set: str = "heldout"  # built-in set when no file is given (heldout: code the shipped pair never saw)
     num_prompts: Optional[int] = None  # cap on the number of prompts (None: all)
     max_new_tokens: int = 64

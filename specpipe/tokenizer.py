@@ -49,8 +49,27 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """No special tokens added: for text that already holds them (a rendered chat template)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """(prompt text, ids) of a chat, rendered with the model folder's chat template (`load_tokenizer` attaches
+    it as `tokenizer.chat_template`); a ChatTemplateError when the model has none or it refuses the chat."""
+    from specpipe.chat_template import ChatTemplateError
+
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        why = getattr(tokenizer, "chat_template_error", None) or (
+            "this model folder has no chat template (chat_template.jinja, or 'chat_template' in "
+            "tokenizer_config.json); give the conversation as one \"prompt\" string in the model's format")
+        raise ChatTemplateError(why)
+    text = template.render(messages)
+    return text, getattr(tokenizer, "encode_plain", tokenizer.encode)(text)
 
 
 def stop_token_ids(tokenizer):

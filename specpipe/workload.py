@@ -1,10 +1,11 @@
-"""Prompts: a built-in set or a JSON-lines file with a "prompt" field per line."""
+"""Prompts: a built-in set or a JSON-lines file: per line a "prompt" string, "prompt_ids", or chat "messages"."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Optional
 
+from specpipe.chat_template import check_messages
 from specpipe.errors import InputError
 
 # "heldout" (code contexts from stdlib files the shipped pair never trained on) lives in
@@ -42,6 +43,26 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
     return items[:num_prompts] if num_prompts is not None else items
 
 
+def parse_prompt_line(obj, n: int) -> dict:
+    """One request's item from line n's JSON value: "prompt", "prompt_ids" or "messages" (+ "seed"), or its error."""
+    seed = {"seed": obj["seed"]} if isinstance(obj, dict) and isinstance(obj.get("seed"), int) else {}
+    if isinstance(obj, dict) and "prompt" not in obj:
+        if "prompt_ids" in obj:
+            ids = obj["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                return {"error": f'line {n}: "prompt_ids" must be a list of integers', "prompt": ""}
+            return {"prompt": "", "prompt_ids": ids, **seed}
+        if "messages" in obj:
+            why = check_messages(obj["messages"])
+            return {"error": f"line {n}: {why}", "prompt": ""} if why else \
+                {"prompt": "", "messages": obj["messages"], **seed}
+    if not isinstance(obj, dict) or "prompt" not in obj:
+        return {"error": f'line {n}: missing the "prompt" field (or "prompt_ids", or "messages")', "prompt": ""}
+    if not isinstance(obj["prompt"], str):
+        return {"error": f'line {n}: "prompt" must be a string', "prompt": ""}
+    return {"prompt": obj["prompt"], **seed}
+
+
 def read_prompts_file(path: str) -> list[dict]:
     p = Path(path)
     try:
@@ -66,23 +87,7 @@ def read_prompts_file(path: str) -> list[dict]:
             not_json += 1
             items.append({"error": f"line {n}: not valid JSON ({e.msg})", "prompt": ""})
             continue
-        if isinstance(obj, dict) and "prompt_ids" in obj and "prompt" not in obj:
-            ids = obj["prompt_ids"]
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                items.append({"error": f'line {n}: "prompt_ids" must be a list of integers', "prompt": ""})
-            else:
-                items.append({"prompt": "", "prompt_ids": ids, **({"seed": obj["seed"]} if isinstance(
-                    obj.get("seed"), int) else {})})
-            continue
-        if not isinstance(obj, dict) or "prompt" not in obj:
-            items.append({"error": f'line {n}: missing the "prompt" field (or "prompt_ids")', "prompt": ""})
-        elif not isinstance(obj["prompt"], str):
-            items.append({"error": f'line {n}: "prompt" must be a string', "prompt": ""})
-        else:
-            item = {"prompt": obj["prompt"]}
-            if isinstance(obj.get("seed"), int):
-                item["seed"] = obj["seed"]
-            items.append(item)
+        items.append(parse_prompt_line(obj, n))
     if not items:
         raise InputError(f"workload.prompts_file={path!r} holds no prompts (only blank lines); give one "
                          f'{{"prompt": "..."}} object per line')

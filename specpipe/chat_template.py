@@ -1,0 +1,110 @@
+"""Chat templates: `{"messages": [...]}` prompts rendered with the model folder's own Jinja template.
+
+Instruct models (and the EAGLE heads trained on their conversations) expect their chat format; raw text
+decodes, but drafts are accepted less often and answers differ from what users of the model see. The
+template comes from `chat_template.jinja` or `tokenizer_config.json` ("chat_template", a string or a
+list of named templates) and is rendered the way HF transformers' `apply_chat_template` renders it:
+a sandboxed Jinja environment with trim_blocks and lstrip_blocks, loop controls, `raise_exception`,
+`strftime_now` and a `tojson` filter that keeps non-ASCII text, and the special tokens (`bos_token`,
+`eos_token`, ...) as strings. The rendered text already holds the special tokens, so it is encoded
+without adding any (no second BOS).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot be compiled or that refuses the messages (its raise_exception)."""
+
+
+def _token_text(value: Any) -> Optional[str]:
+    """A special token in tokenizer_config.json: a string, or an AddedToken dict with "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: Optional[dict] = None, origin: str = "chat template"):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ChatTemplateError(f"the chat template refused these messages: {message}")
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"{origin}: not a valid Jinja template ({e})") from None
+        self.source = source
+        self.origin = origin
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opener."""
+        import jinja2
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self.special_tokens)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise ChatTemplateError(f"{self.origin} failed on these messages ({type(e).__name__}: {e})") from None
+
+
+def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
+    """The folder's chat template (chat_template.jinja first, as transformers reads it), or None."""
+    folder = Path(folder)
+    config_file = folder / "tokenizer_config.json"
+    config: dict = {}
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ChatTemplateError(f"{config_file}: not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ChatTemplateError(f"{config_file}: expected a JSON object at the top level")
+    special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return ChatTemplate(jinja_file.read_text(), special, str(jinja_file))
+    source = config.get("chat_template")
+    if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+        if source is None:
+            raise ChatTemplateError(f"{config_file}: field 'chat_template' lists templates "
+                                    f"{sorted(n for n in named if n)} but none named 'default'")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"{config_file}: field 'chat_template' must be a string or a list of named "
+                                f"templates, got {type(source).__name__}")
+    return ChatTemplate(source, special, f"{config_file} field 'chat_template'")
+
+
+def check_messages(messages: Any) -> Optional[str]:
+    """Why `messages` is not an OpenAI-style chat (a list of {"role": str, "content": str}), or None."""
+    if not isinstance(messages, list) or not messages:
+        return '"messages" must be a non-empty list of {"role": ..., "content": ...} objects'
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return f'"messages"[{i}] must be an object with a string "role"'
+        if not isinstance(m.get("content"), str):
+            return f'"messages"[{i}]["content"] must be a string'
+    return None

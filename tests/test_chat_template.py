@@ -1,0 +1,139 @@
+"""{"messages": [...]} prompts: rendered with the model folder's chat template exactly as transformers'
+apply_chat_template renders and tokenizes them (no second BOS), and bad chats fail only their request."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specpipe.app import make_requests
+from specpipe.chat_template import ChatTemplateError, load_chat_template
+from specpipe.tokenizer import HFTokenizer, encode_chat
+from specpipe.workload import read_prompts_file
+
+SPECIALS = ["<|bos|>", "<|eot|>", "<|start|>", "<|end|>", "<|im_start|>", "<|im_end|>"]
+
+# Llama-3 style: BOS from the template, header tokens, trimmed blocks, a system default
+LLAMA3 = (
+    "{{ bos_token }}{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|start|>system<|end|>\n\nYou are helpful.<|eot|>' }}{% endif %}"
+    "{% for message in messages %}\n"
+    "    {{ '<|start|>' + message['role'] + '<|end|>\n\n' + message['content'] | trim + '<|eot|>' }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}{{ '<|start|>assistant<|end|>\n\n' }}{% endif %}")
+# Qwen style: namespace, loop controls, tojson of non-ASCII text, raise_exception on a bad role order
+QWEN = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}\n"
+    "  {% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m.role) }}"
+    "{% endif %}\n"
+    "  {% if m.role == 'system' and not loop.first %}{% continue %}{% endif %}\n"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}{% if loop.index0 == ns.last_user %} {{ m.content | tojson }}"
+    "{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CHATS = [
+    [{"role": "user", "content": "  hello there  "}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "and ümlaut ★?"}],
+]
+
+
+def byte_bpe_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer.json (no merges) with chat special tokens and a BOS post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    tok.save(str(path))
+
+
+def model_folder(tmp_path: Path, template, jinja_file: bool = False) -> Path:
+    folder = tmp_path / "tok"
+    folder.mkdir(parents=True)
+    byte_bpe_tokenizer(folder / "tokenizer.json")
+    config = {"bos_token": {"content": "<|bos|>", "special": True}, "eos_token": "<|eot|>"}
+    if jinja_file:
+        (folder / "chat_template.jinja").write_text(template)
+    else:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def ours(folder: Path) -> HFTokenizer:
+    tok = HFTokenizer(folder / "tokenizer.json")
+    tok.chat_template = load_chat_template(folder)
+    return tok
+
+
+@pytest.mark.parametrize("jinja_file", [False, True], ids=["tokenizer_config", "chat_template.jinja"])
+@pytest.mark.parametrize("template", [LLAMA3, QWEN], ids=["llama3", "qwen"])
+def test_render_and_ids_equal_transformers(tmp_path, template, jinja_file):
+    transformers = pytest.importorskip("transformers")
+    folder = model_folder(tmp_path, template, jinja_file)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|bos|>",
+                                              eos_token="<|eot|>", chat_template=template)
+    tok = ours(folder)
+    for chat in CHATS:
+        text, ids = encode_chat(tok, chat)
+        assert text == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ref = hf.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+        assert ids == list(ref)
+    if template is LLAMA3:  # the template's own BOS only: encoding did not add a second one
+        assert ids.count(tok._tok.token_to_id("<|bos|>")) == 1
+        assert tok.encode("x")[0] == tok._tok.token_to_id("<|bos|>")  # plain prompts still get it
+
+
+def test_named_templates_pick_default(tmp_path):
+    folder = model_folder(tmp_path, [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": QWEN}])
+    assert encode_chat(ours(folder), CHATS[0])[0].startswith("<|im_start|>user\n")
+    only_tools = model_folder(tmp_path / "b", [{"name": "tool_use", "template": "TOOLS"}])
+    with pytest.raises(ChatTemplateError, match=r"lists templates \['tool_use'\] but none named 'default'"):
+        load_chat_template(only_tools)
+
+
+def test_bad_chats_fail_only_their_request(tmp_path):
+    folder = model_folder(tmp_path, QWEN)
+    lines = [{"messages": CHATS[0]}, {"messages": [{"role": "tool", "content": "x"}]}, {"messages": []},
+             {"messages": [{"role": "user", "content": ["parts"]}]}, {"prompt": "plain"},
+             {"messages": CHATS[1], "seed": 5}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    items = read_prompts_file(str(path))
+    assert "non-empty list" in items[2]["error"] and '"messages"[0]["content"] must be a string' in items[3]["error"]
+    assert items[5]["seed"] == 5
+    tok = ours(folder)
+    reqs = make_requests(items, tok, 8, 4096, tok.vocab_size)
+    assert [r.finish_reason for r in reqs] == [None, "error", "error", "error", None, None]
+    assert "the chat template refused these messages: unknown role tool" in reqs[1].error
+    assert reqs[0].prompt == encode_chat(tok, CHATS[0])[0] and reqs[0].prompt_ids == encode_chat(tok, CHATS[0])[1]
+    assert reqs[4].prompt_ids == tok.encode("plain")
+
+    plain = HFTokenizer(folder / "tokenizer.json")  # a folder without any chat template
+    r = make_requests([items[0]], plain, 8, 4096, plain.vocab_size)[0]
+    assert r.finish_reason == "error" and "has no chat template" in r.error
+
+
+def test_a_broken_template_fails_messages_but_not_plain_prompts(tmp_path):
+    from specpipe.models.hf import load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    folder = model_folder(tmp_path, "{% for m in messages %}{{ m.content }")  # unclosed expression
+    cfg = LlamaConfig(vocab_size=300, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8)
+    tok = load_tokenizer(folder, cfg, raw={})
+    assert tok.chat_template is None and "not a valid Jinja template" in tok.chat_template_error
+    reqs = make_requests([{"prompt": "", "messages": CHATS[0]}, {"prompt": "hi"}], tok, 4, 4096, 300)
+    assert "tokenizer_config.json field 'chat_template': not a valid Jinja template" in reqs[0].error
+    assert reqs[1].finish_reason is None
