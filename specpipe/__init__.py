@@ -1,2 +1,10 @@
 """specpipe: a declarative, config-driven speculative decoding pipeline."""
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # `from specpipe import SpecPipe` without importing torch for `python -m specpipe --help`
+    if name in ("SpecPipe", "Completion"):
+        from specpipe import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'specpipe' has no attribute {name!r}")

@@ -201,12 +201,15 @@ def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
                           f"{pair.target.config.vocab_size}; it must share the target's tokenizer")
 
 
-def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None) -> dict:
+def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
+        items: Optional[list[dict]] = None) -> dict:
+    """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}."""
     from specpipe.devices.base import use_build_inductor_cache
 
     use_build_inductor_cache()  # before anything asks inductor for its cache folder
     validate(cfg)
-    items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
+    if items is None:
+        items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
     torch.manual_seed(cfg.seed)
     device = build(cfg.device, "device")
     dtype = cfg.model.get("dtype") or cfg.device.dtype

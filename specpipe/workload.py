@@ -43,23 +43,26 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
     return items[:num_prompts] if num_prompts is not None else items
 
 
-def parse_prompt_line(obj, n: int) -> dict:
-    """One request's item from line n's JSON value: "prompt", "prompt_ids" or "messages" (+ "seed"), or its error."""
+def parse_prompt_line(obj, where) -> dict:
+    """One request's item from a JSON value: "prompt", "prompt_ids" or "messages" (+ "seed"), or its error.
+
+    `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3")."""
+    n = where if isinstance(where, str) else f"line {where}"
     seed = {"seed": obj["seed"]} if isinstance(obj, dict) and isinstance(obj.get("seed"), int) else {}
     if isinstance(obj, dict) and "prompt" not in obj:
         if "prompt_ids" in obj:
             ids = obj["prompt_ids"]
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                return {"error": f'line {n}: "prompt_ids" must be a list of integers', "prompt": ""}
+                return {"error": f'{n}: "prompt_ids" must be a list of integers', "prompt": ""}
             return {"prompt": "", "prompt_ids": ids, **seed}
         if "messages" in obj:
             why = check_messages(obj["messages"])
-            return {"error": f"line {n}: {why}", "prompt": ""} if why else \
+            return {"error": f"{n}: {why}", "prompt": ""} if why else \
                 {"prompt": "", "messages": obj["messages"], **seed}
     if not isinstance(obj, dict) or "prompt" not in obj:
-        return {"error": f'line {n}: missing the "prompt" field (or "prompt_ids", or "messages")', "prompt": ""}
+        return {"error": f'{n}: missing the "prompt" field (or "prompt_ids", or "messages")', "prompt": ""}
     if not isinstance(obj["prompt"], str):
-        return {"error": f'line {n}: "prompt" must be a string', "prompt": ""}
+        return {"error": f'{n}: "prompt" must be a string', "prompt": ""}
     return {"prompt": obj["prompt"], **seed}
 
 

@@ -1,0 +1,86 @@
+"""Python API: the pipeline `python -m specpipe` runs, built from the same overrides, called with prompts.
+
+    from specpipe import SpecPipe
+    sp = SpecPipe("model=hf", "model.path=/models/Qwen3-8B", "draft.path=/models/Qwen3-8B_eagle3")
+    out = sp.generate(["def fib(n):", {"messages": [{"role": "user", "content": "Hi"}]}], max_new_tokens=64)
+    out[0].text, sp.metrics["accept_length_mean"]
+
+Weights load once, in the constructor; every `generate` call reuses them (and compiled artefacts). A
+prompt is a string, a list of token ids, or a dict as one line of a prompts file ("prompt", "prompt_ids"
+or chat "messages", optionally "seed"). A bad prompt fails only its own completion (`finish_reason`
+"error", `error` says why); a bad override raises `SpecpipeError` with the CLI's one-paragraph message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from specpipe.errors import SpecpipeError
+
+
+@dataclass
+class Completion:
+    index: int
+    prompt: str  # the prompt text (a chat: as its template rendered it)
+    output_ids: list
+    text: str
+    finish_reason: str  # stop | length | error
+    error: Optional[str] = None
+
+
+def prompt_item(p: Any, n: int) -> dict:
+    """One request's item from an API prompt (the prompts-file rules, errors naming `prompt n`)."""
+    from specpipe.workload import parse_prompt_line
+
+    if isinstance(p, str):
+        return {"prompt": p}
+    if isinstance(p, (list, tuple)):
+        p = {"prompt_ids": list(p)}
+    return parse_prompt_line(p, f"prompt {n}")
+
+
+class SpecPipe:
+    def __init__(self, *overrides: str):
+        from specpipe.app import load_pair
+        from specpipe.build import build
+        from specpipe.cli_errors import compose_config, precheck
+
+        bad = [o for o in overrides if not isinstance(o, str) or "=" not in o]
+        if bad:
+            raise SpecpipeError(f"specpipe: overrides are 'key=value' strings as on the command line "
+                                f"(e.g. 'draft.topk=4', 'allocator=paged'); got {bad[0]!r}")
+        err = precheck(list(overrides))
+        if err:
+            raise SpecpipeError(err)
+        self.cfg = compose_config(list(overrides))
+        self.device = build(self.cfg.device, "device")
+        self.dtype = self.cfg.model.get("dtype") or self.cfg.device.dtype
+        self.pair = load_pair(self.cfg, self.dtype, self.device)
+        self.metrics: Optional[dict] = None  # the last generate() call's metrics (metrics.json's content)
+
+    @property
+    def tokenizer(self):
+        return self.pair.tokenizer
+
+    def generate(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
+                 out_dir: Optional[str] = None) -> list[Completion]:
+        """Completions in prompt order; `out_dir` also writes metrics.json and completions.jsonl there."""
+        from omegaconf import OmegaConf
+
+        from specpipe.app import run
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not prompts:
+            raise SpecpipeError("specpipe: generate() needs at least one prompt")
+        cfg = self.cfg
+        if max_new_tokens is not None:
+            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+                raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+            cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
+        items = [prompt_item(p, n) for n, p in enumerate(prompts)]
+        out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items)
+        self.metrics = out["metrics"]
+        decode = self.pair.tokenizer.decode
+        return [Completion(r.index, r.prompt, list(r.output_ids), decode(r.output_ids), r.finish_reason, r.error)
+                for r in out["requests"]]

@@ -1,0 +1,57 @@
+"""The Python API: overrides as on the command line, weights loaded once, completions in prompt order,
+equal to what the CLI's run() decodes; bad prompts fail alone, bad overrides raise the CLI's message."""
+import json
+
+import pytest
+
+from helpers import compose
+from specpipe import SpecPipe
+from specpipe.app import MODEL_LOADS, run
+from specpipe.errors import SpecpipeError
+
+BASE = ("model=random_tiny", "device.dtype=float64", "workload.max_new_tokens=12")
+PROMPTS = ["def f(x):", "class A:\n    ", "import os"]
+
+
+def test_generate_equals_the_cli_run_and_loads_weights_once(tmp_path):
+    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")
+    loads = MODEL_LOADS[0]
+    got = sp.generate(PROMPTS + [[5, 6, 7]])
+    assert sp.metrics["accept_length_mean"] > 1 and sp.metrics["num_requests"] == 4
+    again = sp.generate(PROMPTS[:1], max_new_tokens=4)
+    assert MODEL_LOADS[0] == loads  # no reload between calls
+    assert again[0].output_ids == got[0].output_ids[:4] and again[0].finish_reason in ("length", "stop")
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS) + json.dumps({"prompt_ids": [5, 6, 7]}))
+    ref = run(compose(*BASE, "draft=none", f"workload.prompts_file={path}"), quiet=True)["requests"]
+    assert [c.output_ids for c in got] == [r.output_ids for r in ref]  # lossless, and in prompt order
+    assert [c.prompt for c in got[:3]] == PROMPTS and got[0].text == sp.tokenizer.decode(got[0].output_ids)
+
+
+def test_bad_prompts_fail_alone_and_out_dir_gets_the_files(tmp_path):
+    sp = SpecPipe(*BASE, "draft=ngram")
+    out = sp.generate(["ok", "", {"prompt_ids": "abc"}, {"messages": [{"role": "user", "content": "hi"}]},
+                       {"text": "x"}], out_dir=str(tmp_path / "run"))
+    assert [c.finish_reason for c in out][1:] == ["error"] * 4 and out[0].finish_reason in ("length", "stop")
+    assert "empty prompt" in out[1].error and 'prompt 2: "prompt_ids" must be a list of integers' in out[2].error
+    assert "no chat template" in out[3].error and 'prompt 4: missing the "prompt" field' in out[4].error
+    assert (tmp_path / "run" / "metrics.json").exists() and (tmp_path / "run" / "completions.jsonl").exists()
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (("allocator=foo",), "config group 'allocator' has no option 'foo'"),
+    (("draft.topk=0",), "draft.topk=0 must be >= 1"),
+    (("topk",), "overrides are 'key=value' strings"),
+])
+def test_bad_overrides_raise_the_cli_message(overrides, fragment):
+    with pytest.raises(SpecpipeError, match=fragment):
+        SpecPipe("model=random_tiny", *overrides)
+
+
+def test_bad_generate_arguments():
+    sp = SpecPipe("model=random_tiny")
+    with pytest.raises(SpecpipeError, match="max_new_tokens=0 must be an integer >= 1"):
+        sp.generate(["x"], max_new_tokens=0)
+    with pytest.raises(SpecpipeError, match="at least one prompt"):
+        sp.generate([])
