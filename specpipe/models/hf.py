@@ -123,6 +123,13 @@ def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[i
 def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Llama / Mistral / Qwen2 / Qwen3 (or EAGLE head) ``config.json`` dict."""
     family = _family(raw, file, draft)
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise CheckpointError(f"{file}: field 'quantization_config' says this checkpoint is quantized "
+                              f"(quant_method={method!r}); specpipe loads unquantized weights (float32, bfloat16 or "
+                              f"float16 safetensors). Use the model's unquantized release, or dequantize it with "
+                              f"transformers (from_pretrained, then save_pretrained) first")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise CheckpointError(f"{file}: field 'hidden_act' is {raw['hidden_act']!r} (only silu is supported)")
     if raw.get("mlp_bias"):
@@ -267,6 +274,10 @@ def fill(module: nn.Module, tensors: dict[str, Tensor], origin: dict, cfg_file: 
         if tuple(t.shape) != tuple(expected[name].shape):
             raise CheckpointError(f"{file}: tensor '{key}' has shape {list(t.shape)} but {cfg_file} "
                                   f"({_hint(name, fields)}) needs {list(expected[name].shape)}")
+        if expected[name].is_floating_point() and not t.is_floating_point():
+            raise CheckpointError(f"{file}: tensor '{key}' holds {t.dtype} values where a floating-point weight "
+                                  f"belongs (a quantized checkpoint?); specpipe loads float32, bfloat16 or float16 "
+                                  f"weights")
     load = {n: t.to(device) for n, t in tensors.items() if n not in tied}
     module.load_state_dict(load, strict=False, assign=True)
 

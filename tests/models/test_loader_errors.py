@@ -146,6 +146,19 @@ def test_missing_and_unexpected_tensor(target_copy):
     _raises(lambda: load_target(target_copy), str(f), "unexpected tensor 'model.layers.0.mlp.extra.weight'")
 
 
+def test_quantized_checkpoints_are_refused_by_name(target_copy, edit_config):
+    cfg = str(target_copy / "config.json")
+    edit_config(target_copy, quantization_config={"quant_method": "awq", "bits": 4})
+    _raises(lambda: load_target(target_copy), cfg, "'quantization_config'", "quant_method='awq'", "unquantized")
+    edit_config(target_copy, quantization_config=None)
+    f = target_copy / "model.safetensors"
+    sd = load_file(f)
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros_like(sd["model.layers.0.mlp.up_proj.weight"],
+                                                               dtype=torch.int8)
+    save_file(sd, f)
+    _raises(lambda: load_target(target_copy), str(f), "'model.layers.0.mlp.up_proj.weight' holds torch.int8")
+
+
 def test_config_errors(target_copy, edit_config):
     cfg = str(target_copy / "config.json")
     edit_config(target_copy, architectures=["GPT2LMHeadModel"])
