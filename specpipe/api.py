@@ -7,7 +7,7 @@
 
 Weights load once, in the constructor; every `generate` call reuses them (and compiled artefacts). A
 prompt is a string, a list of token ids, or a dict as one line of a prompts file ("prompt", "prompt_ids"
-or chat "messages", optionally "seed"). A bad prompt fails only its own completion (`finish_reason`
+or chat "messages", optionally "seed", "max_new_tokens", "stop"). A bad prompt fails only its own completion (`finish_reason`
 "error", `error` says why); a bad override raises `SpecpipeError` with the CLI's one-paragraph message.
 """
 from __future__ import annotations
@@ -63,8 +63,11 @@ class SpecPipe:
         return self.pair.tokenizer
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
-                 out_dir: Optional[str] = None) -> list[Completion]:
-        """Completions in prompt order; `out_dir` also writes metrics.json and completions.jsonl there."""
+                 stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None) -> list[Completion]:
+        """Completions in prompt order. `stop`: stop strings for every prompt (taken as given: no escapes);
+        `out_dir` also writes metrics.json and completions.jsonl there."""
+        from specpipe.stop_strings import check_stop
+
         from omegaconf import OmegaConf
 
         from specpipe.app import run
@@ -79,6 +82,12 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
             cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
         items = [prompt_item(p, n) for n, p in enumerate(prompts)]
+        if stop is not None:
+            why = check_stop(stop)
+            if why:
+                raise SpecpipeError(f"specpipe: {why}")
+            extra = [stop] if isinstance(stop, str) else list(stop)
+            items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
         out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items)
         self.metrics = out["metrics"]
         decode = self.pair.tokenizer.decode

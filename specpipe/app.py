@@ -5,7 +5,7 @@ import inspect
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -22,7 +22,8 @@ from specpipe.sampling import SamplingState, request_seed
 from specpipe.stages.prepare_decode import target_kv_layout
 from specpipe.tokenizer import encode_chat, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
-from specpipe.validate import one_request_slots, to_container, validate
+from specpipe.stop_strings import StopStrings
+from specpipe.validate import one_request_slots, run_stop_strings, to_container, validate
 from specpipe.workload import load_prompts
 
 
@@ -95,15 +96,24 @@ def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
     return build(cfg.allocator, "allocator", **kwargs)
 
 
-def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int
-                  ) -> list[Request]:
-    """One Request per prompt; a bad prompt becomes that request's error, never the run's."""
+def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int,
+                  stop: Sequence[str] = ()) -> list[Request]:
+    """One Request per prompt; a bad prompt becomes that request's error, never the run's. `stop`: stop
+    strings of every request (a prompt's own "stop" adds to them)."""
     reqs = []
     for i, it in enumerate(items):
-        r = Request(i, it.get("prompt", ""), [], max_new_tokens)
+        r = Request(i, it.get("prompt", ""), [], it.get("max_new_tokens", max_new_tokens))
+        stops = list(dict.fromkeys([*stop, *it.get("stop", ())]))
+        if stops:
+            r.stop_strings = StopStrings(stops, tokenizer.decode)
         reqs.append(r)
         if "error" in it:
             r.finish_reason, r.error = "error", it["error"]
+            continue
+        if r.max_new_tokens > max_new_tokens:
+            r.finish_reason = "error"
+            r.error = (f"max_new_tokens={r.max_new_tokens} is above the run's workload.max_new_tokens="
+                       f"{max_new_tokens}, which sizes the KV cache; raise workload.max_new_tokens to allow it")
             continue
         if "prompt_ids" in it:
             r.prompt_ids = list(it["prompt_ids"])
@@ -126,9 +136,9 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
                 continue
         if not r.prompt_ids:
             r.finish_reason, r.error = "error", "empty prompt: nothing to continue from"
-        elif len(r.prompt_ids) + max_new_tokens > max_position:
+        elif len(r.prompt_ids) + r.max_new_tokens > max_position:
             r.finish_reason = "error"
-            r.error = (f"prompt of {len(r.prompt_ids)} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+            r.error = (f"prompt of {len(r.prompt_ids)} tokens plus max_new_tokens={r.max_new_tokens} exceeds the "
                        f"model's context of {max_position} tokens")
     return reqs
 
@@ -220,7 +230,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         load_standalone(cfg, pair, dtype, device)
         pair.standalone_source = cfg.draft.path
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
-                         pair.target.config.max_position_embeddings, pair.target.config.vocab_size)
+                         pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
+                         run_stop_strings(cfg))
     allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
     pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
     if pair.draft is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ class Request:
     t_submit: float = 0.0
     seed: int = 0  # the request's own sampling seed
     retractions: int = 0  # times it was evicted under KV pressure and re-queued
+    stop_strings: Optional[Any] = None  # a StopStrings checker when the request has stop strings
 
     @property
     def context_ids(self) -> list:
@@ -137,7 +138,7 @@ class Pipeline:
         for t in tokens:
             req.output_ids.append(t)
             kept += 1
-            if t in self.eos:
+            if t in self.eos or (req.stop_strings is not None and req.stop_strings.hit(req.output_ids)):
                 req.finish_reason = "stop"
                 break
             if len(req.output_ids) >= req.max_new_tokens:

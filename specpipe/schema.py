@@ -200,6 +200,8 @@ class WorkloadConf:
     num_prompts: Optional[int] = None  # cap on the number of prompts (None: all)
     max_new_tokens: int = 64
     batch_size: int = 4  # requests decoded together
+    # stop strings for every request: one string or a list ("\n" is a newline here); a prompt's own "stop" adds
+    stop: Any = field(default_factory=list)
 
 
 # ---- sampling ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 from specpipe.build import check_target
 from specpipe.compile_policy import PolicyError, device_problem, parse_policy
 from specpipe.errors import ConfigError
+from specpipe.stop_strings import check_stop, unescape
 from specpipe.schema import WEIGHT_LAYOUTS as LAYOUTS
 from specpipe.workload import PROMPT_SETS
 
@@ -105,6 +106,8 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"workload.max_new_tokens={w.max_new_tokens} must be >= 1")
     if w.batch_size < 1:
         errors.append(f"workload.batch_size={w.batch_size} must be >= 1")
+    if w.get("stop") and check_stop(run_stop_strings(cfg)):
+        errors.append(f"workload.{check_stop(run_stop_strings(cfg))}")
     if w.num_prompts is not None and w.num_prompts < 1:
         errors.append(f"workload.num_prompts={w.num_prompts} must be >= 1 or null (all prompts)")
     if w.prompts_file is None and w.prompt_set not in PROMPT_SETS:
@@ -144,6 +147,15 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"seed={cfg.seed} must be >= 0")
     if errors:
         raise ConfigError(errors)
+
+
+def run_stop_strings(cfg) -> list:
+    """workload.stop as a list of strings, command-line escapes (\\n, \\t) decoded; bad entries pass through
+    (for `check_stop` to name)."""
+    stop = cfg.workload.get("stop") or []
+    stop = OmegaConf.to_container(stop) if OmegaConf.is_config(stop) else stop
+    stop = [stop] if isinstance(stop, str) else stop
+    return [unescape(s) if isinstance(s, str) else s for s in stop] if isinstance(stop, list) else stop
 
 
 def one_request_slots(cfg) -> int:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from specpipe.chat_template import check_messages
+from specpipe.stop_strings import check_stop
 from specpipe.errors import InputError
 
 # "heldout" (code contexts from stdlib files the shipped pair never trained on) lives in
@@ -44,11 +45,22 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
 
 
 def parse_prompt_line(obj, where) -> dict:
-    """One request's item from a JSON value: "prompt", "prompt_ids" or "messages" (+ "seed"), or its error.
+    """One request's item from a JSON value: "prompt", "prompt_ids" or "messages" (+ "seed", "max_new_tokens", "stop"),
+    or its error.
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3")."""
     n = where if isinstance(where, str) else f"line {where}"
     seed = {"seed": obj["seed"]} if isinstance(obj, dict) and isinstance(obj.get("seed"), int) else {}
+    if isinstance(obj, dict) and "max_new_tokens" in obj:  # this request's own limit (<= the run's)
+        m = obj["max_new_tokens"]
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            return {"error": f'{n}: "max_new_tokens" must be an integer >= 1, got {m!r}', "prompt": ""}
+        seed["max_new_tokens"] = m
+    if isinstance(obj, dict) and "stop" in obj:
+        why = check_stop(obj["stop"])
+        if why:
+            return {"error": f"{n}: {why}", "prompt": ""}
+        seed["stop"] = [obj["stop"]] if isinstance(obj["stop"], str) else list(obj["stop"])
     if isinstance(obj, dict) and "prompt" not in obj:
         if "prompt_ids" in obj:
             ids = obj["prompt_ids"]

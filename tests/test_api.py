@@ -20,6 +20,11 @@ def test_generate_equals_the_cli_run_and_loads_weights_once(tmp_path):
     assert sp.metrics["accept_length_mean"] > 1 and sp.metrics["num_requests"] == 4
     again = sp.generate(PROMPTS[:1], max_new_tokens=4)
     assert MODEL_LOADS[0] == loads  # no reload between calls
+    text = got[0].text
+    stopped = sp.generate(PROMPTS[:1], stop=text[4:6])[0]
+    assert stopped.finish_reason == "stop" and text[4:6] in stopped.text and len(stopped.output_ids) <= 6
+    with pytest.raises(SpecpipeError, match="stop must be a non-empty string"):
+        sp.generate(PROMPTS[:1], stop=[""])
     assert again[0].output_ids == got[0].output_ids[:4] and again[0].finish_reason in ("length", "stop")
 
     path = tmp_path / "p.jsonl"

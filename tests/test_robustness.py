@@ -142,3 +142,17 @@ def test_a_second_eos_id_ends_requests_too(tmp_path, pair, monkeypatch, draft):
         assert r.output_ids == f.output_ids[:cut]
         assert r.finish_reason == ("stop" if stop in f.output_ids else "length")
     assert res["requests"][0].finish_reason == "stop" and len(res["requests"][0].output_ids) <= 5
+
+
+def test_per_request_max_new_tokens(tmp_path, pair):
+    lines = [{"prompt": "def f(x):", "max_new_tokens": 3}, {"prompt": "def f(x):"},
+             {"prompt": "class A:", "max_new_tokens": 50}, {"prompt": "x", "max_new_tokens": "many"},
+             {"prompt_ids": [5, 6, 7], "max_new_tokens": 1}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    reqs = run_on(path, pair, "workload.max_new_tokens=8", "draft.topk=2", "draft.num_steps=3")["requests"]
+    short, full = reqs[0].output_ids, reqs[1].output_ids
+    assert len(full) == 8 and short == full[:3] and reqs[0].finish_reason == "length"  # trimmed mid-tree
+    assert "max_new_tokens=50 is above the run's workload.max_new_tokens=8" in reqs[2].error
+    assert '"max_new_tokens" must be an integer >= 1, got \'many\'' in reqs[3].error
+    assert len(reqs[4].output_ids) == 1 and reqs[4].finish_reason == "length"

@@ -1,0 +1,67 @@
+"""Stop strings end a request at the token that completes one (HF stop_strings semantics), at the same
+token for speculative and plain decoding; the check looks only at a window of the newest tokens."""
+import json
+
+import pytest
+
+from helpers import compose, random_prompts
+from specpipe.app import run
+from specpipe.models.random_tiny import build_random_tiny
+from specpipe.stop_strings import StopStrings, check_stop, unescape
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_random_tiny(seed=3, dtype="float64", max_position=256)
+
+
+def decode_run(pair, path, *overrides):
+    cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
+                  "workload.max_new_tokens=40", *overrides)
+    return run(cfg, quiet=True, pair=pair)["requests"]
+
+
+def cut(ids, decode, stop):
+    """The expected output: the shortest prefix whose text holds a stop string (all of it if none does)."""
+    for j in range(1, len(ids) + 1):
+        if any(s in decode(ids[:j]) for s in stop):
+            return ids[:j], "stop"
+    return ids, None
+
+
+def test_unescape_and_check():
+    assert unescape(r"a\nb\t\\n\x") == "a\nb\t\\n\\x"
+    assert check_stop("x") is None and check_stop(["a", "b"]) is None
+    assert "non-empty string" in check_stop([""]) and "non-empty string" in check_stop([3])
+
+
+def test_window_sees_a_stop_string_only_once_completed():
+    s = StopStrings(["ab"], lambda ids: "".join(chr(97 + i) for i in ids))
+    assert not s.hit([0]) and s.hit([0, 1]) and not s.hit([1, 0])
+    assert s.hit([2] * 100 + [0, 1]) and not s.hit([0, 1] + [2] * 100)  # only the newest tokens are read
+
+
+@pytest.mark.parametrize("draft", [["draft.topk=2", "draft.num_steps=3"], ["draft=ngram"]])
+def test_speculative_stops_where_plain_decoding_would(tmp_path, pair, draft):
+    path = tmp_path / "p.jsonl"
+    prompts = random_prompts(5, [3, 8, 15, 30])
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    free = decode_run(pair, path, "draft=none")
+    dec = pair.tokenizer.decode
+    text = dec(free[0].output_ids)
+    stop = [text[10:12], text[20:23]]  # strings the first request really produces, mid-output
+    per_line = {"prompt": prompts[1], "stop": dec(free[1].output_ids)[5:7]}
+    path2 = tmp_path / "p2.jsonl"
+    path2.write_text("".join(json.dumps(x) + "\n" for x in [{"prompt": prompts[0]}, per_line]
+                             + [{"prompt": p} for p in prompts[2:]]))
+    stop_arg = "workload.stop=[" + ",".join(json.dumps(s) for s in stop) + "]"
+    spec = decode_run(pair, path2, stop_arg, *draft)
+    plain = decode_run(pair, path2, stop_arg, "draft=none")
+    stops_of = [stop, stop + [per_line["stop"]]] + [stop] * 2
+    for f, s, p, st in zip(free, spec, plain, stops_of):
+        want, reason = cut(f.output_ids, dec, st)
+        assert s.output_ids == want == p.output_ids
+        if reason:
+            assert s.finish_reason == "stop" == p.finish_reason
+    assert spec[0].finish_reason == "stop" and len(spec[0].output_ids) < len(free[0].output_ids)
+    assert spec[1].finish_reason == "stop" and len(spec[1].output_ids) <= 8
