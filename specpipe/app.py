@@ -97,13 +97,13 @@ def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
 
 
 def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int,
-                  stop: Sequence[str] = ()) -> list[Request]:
+                  stop: Sequence[str] = (), ignore_eos: bool = False) -> list[Request]:
     """One Request per prompt; a bad prompt becomes that request's error, never the run's. `stop`: stop
-    strings of every request (a prompt's own "stop" adds to them)."""
+    strings of every request (a prompt's own "stop" adds to them); `ignore_eos` drops them all."""
     reqs = []
     for i, it in enumerate(items):
         r = Request(i, it.get("prompt", ""), [], it.get("max_new_tokens", max_new_tokens))
-        stops = list(dict.fromkeys([*stop, *it.get("stop", ())]))
+        stops = [] if ignore_eos else list(dict.fromkeys([*stop, *it.get("stop", ())]))
         if stops:
             r.stop_strings = StopStrings(stops, tokenizer.decode)
         reqs.append(r)
@@ -171,7 +171,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     ps = allocator.page_size
     max_context = longest + cfg.workload.max_new_tokens + d.num_draft_tokens + d.topk * d.num_steps + 2 * ps + 1
     max_requests = running_batch(cfg, reqs)
-    eos = stop_token_ids(pair.tokenizer)
+    eos = None if cfg.workload.get("ignore_eos") else stop_token_ids(pair.tokenizer)
     sp = cfg.sampling
     sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device)
     if d.method == "none":
@@ -231,7 +231,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         pair.standalone_source = cfg.draft.path
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
-                         run_stop_strings(cfg))
+                         run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")))
     allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
     pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
     if pair.draft is not None:

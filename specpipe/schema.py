@@ -202,6 +202,7 @@ class WorkloadConf:
     batch_size: int = 4  # requests decoded together
     # stop strings for every request: one string or a list ("\n" is a newline here); a prompt's own "stop" adds
     stop: Any = field(default_factory=list)
+    ignore_eos: bool = False  # benchmarks: every request runs to max_new_tokens (EOS ids and stop strings ignored)
 
 
 # ---- sampling ---------------------------------------------------------------------------

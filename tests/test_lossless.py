@@ -70,6 +70,9 @@ def test_stop_token_mid_path_matches_baseline(prompts_file):
     assert got == want
     assert any(len(w) < 20 for w in want), "EOS never fired: pick another token"
     assert m["kv_leaked_slots"] == 0
+    forced, _ = decode(path, pair, "workload.batch_size=4", "draft.topk=1", "draft.num_steps=5",
+                       "draft.num_draft_tokens=6", "workload.ignore_eos=true")
+    assert forced == free_run  # EOS ignored: the free-running outputs, full length
 
 
 @pytest.mark.parametrize("drafter", [

@@ -65,3 +65,16 @@ def test_speculative_stops_where_plain_decoding_would(tmp_path, pair, draft):
             assert s.finish_reason == "stop" == p.finish_reason
     assert spec[0].finish_reason == "stop" and len(spec[0].output_ids) < len(free[0].output_ids)
     assert spec[1].finish_reason == "stop" and len(spec[1].output_ids) <= 8
+
+
+def test_ignore_eos_runs_every_request_to_its_limit(tmp_path, pair):
+    path = tmp_path / "p.jsonl"
+    prompts = random_prompts(6, [3, 8, 15, 30, 5, 9])
+    path.write_text("".join(json.dumps({"prompt": p, "stop": "a"}) + "\n" for p in prompts))
+    base = ["draft.topk=2", "draft.num_steps=3", "workload.stop=[' ']"]
+    normal = decode_run(pair, path, *base)
+    assert any(r.finish_reason == "stop" for r in normal)
+    forced = decode_run(pair, path, *base, "workload.ignore_eos=true")
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 40 for r in forced)
+    for n, f in zip(normal, forced):  # the same tokens up to where the normal run stopped
+        assert f.output_ids[:len(n.output_ids)] == n.output_ids
