@@ -52,7 +52,11 @@ def hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     register_schemas()
-    from specpipe.cli_errors import precheck
+    from specpipe.cli_errors import precheck, usage
+
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        print(usage())
+        return
 
     err = precheck(sys.argv[1:])
     if err:

@@ -137,6 +137,45 @@ def expand(overrides: list[str], limit: int = 64) -> list[list[str]]:
     return [firsts[:i] + [v] + firsts[i + 1:] for i, c in enumerate(choices) for v in c]
 
 
+def usage() -> str:
+    """`python -m specpipe --help`: how to run it and every config group's options (Hydra's own help lists
+    the schemas' base_* entries too, which are not options)."""
+    from omegaconf import OmegaConf
+
+    defaults = {}
+    for d in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
+        if isinstance(d, dict) or OmegaConf.is_dict(d):
+            (group, option), = dict(d).items()
+            defaults[group] = option
+    groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+    width = max(map(len, groups))
+    lines = []
+    for g in groups:
+        default = defaults.get(g)
+        opts = [o for o in group_options(g) if o != default]
+        first = [f"{default} (default)"] if default else ["(none by default)"]
+        lines.append(f"  {g:<{width}}  {', '.join(first + opts)}")
+    return "\n".join([
+        "specpipe: config-driven speculative decoding (EAGLE trees, n-gram / suffix, standalone drafts).",
+        "",
+        "Usage:",
+        "  python -m specpipe [group=option ...] [key=value ...]    one run (outputs/DATE/TIME/)",
+        "  python -m specpipe -m key=v1,v2 group=a,b ...            a sweep, one job per combination (multirun/)",
+        "  python -m specpipe --cfg job [overrides]                 print the composed config: every key and value",
+        "  python -m specpipe.report SWEEP_DIR                      a sweep's table (CSV, markdown) and plot",
+        "",
+        "Config groups (group=option):",
+        *lines,
+        "",
+        "Examples:",
+        "  python -m specpipe draft.topk=4 draft.num_steps=5 allocator=paged",
+        "  python -m specpipe model=hf model.path=DIR draft.path=HEAD_DIR workload.prompts_file=prompts.jsonl",
+        "  python -m specpipe -m draft.topk=1,4,8 allocator=token,paged",
+        "",
+        "README.md documents every option and metric. Hydra's own help: python -m specpipe --hydra-help",
+    ])
+
+
 def precheck(argv: list[str]) -> Optional[str]:
     """The reworded error for the first bad override combination, or None when all compose and validate."""
     overrides, multirun, skip = split_args(argv)

@@ -46,3 +46,14 @@ def test_user_mistakes_exit_2_without_traceback(tmp_path, args, fragment):
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert fragment in p.stderr
     assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_help_lists_every_group_option_and_no_schema_entries(tmp_path):
+    p = specpipe("--help", cwd=tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr
+    conf = ROOT / "conf"
+    for group in (d for d in conf.iterdir() if d.is_dir() and d.name != "hydra"):
+        line = next(x for x in p.stdout.splitlines() if x.strip().startswith(group.name + " "))
+        assert sorted(o.strip().replace(" (default)", "") for o in line.split(None, 1)[1].split(",")
+                      if "none by default" not in o) == sorted(f.stem for f in group.glob("*.yaml"))
+    assert "base_" not in p.stdout and "eagle (default)" in p.stdout and "--cfg job" in p.stdout
