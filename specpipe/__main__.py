@@ -35,6 +35,14 @@ def hydra_main(cfg: DictConfig) -> float:
         return objective(done, cfg.latency_limit_ms)
     try:
         result = run(cfg, out_dir=out_dir)
+    except KeyboardInterrupt:
+        if multirun:  # Ctrl-C ends the whole sweep (finished jobs keep their files)
+            raise
+        from specpipe.app import PartialCompletions
+
+        print(f"specpipe: interrupted; the requests that had finished are in {out_dir}/{PartialCompletions.NAME} "
+              f"(in the order they finished; no metrics.json was written)", file=sys.stderr)
+        sys.exit(130)
     except SpecpipeError as e:
         print(str(e), file=sys.stderr)
         if multirun:  # one bad point must not end an overnight sweep

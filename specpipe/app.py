@@ -252,10 +252,16 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     metrics.attach_model_timer(models, device.synchronize)
     pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
     compiles_before = recompile_count()
+    partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
     try:
-        wall = run_requests(pipe, reqs, batch, show_progress=None if not quiet else False)
+        if partial is not None:
+            partial.write([r for r in reqs if r.finished])  # bad prompts: failed before the run
+        wall = run_requests(pipe, reqs, batch, show_progress=None if not quiet else False,
+                            on_finish=partial.write if partial is not None else None)
     finally:
         metrics.detach()
+        if partial is not None:
+            partial.close()
     summary = metrics.summary(wall, recompile_count() - compiles_before)
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_leaked_slots"] = int(allocator.size - allocator.available())
@@ -280,15 +286,40 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     return {"metrics": summary, "requests": reqs}
 
 
+def completion_record(r: Request, tokenizer) -> dict:
+    rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids, "text": tokenizer.decode(r.output_ids),
+           "finish_reason": r.finish_reason}
+    if r.error:
+        rec["error"] = r.error
+    return rec
+
+
+class PartialCompletions:
+    """completions.partial.jsonl: each request's record as soon as it finishes (finish order), flushed, so
+    Ctrl-C, a crash or a kill loses no finished request. The ordered completions.jsonl replaces it at the end."""
+
+    NAME = "completions.partial.jsonl"
+
+    def __init__(self, out: Path, tokenizer):
+        out.mkdir(parents=True, exist_ok=True)
+        self.path, self.tokenizer = out / self.NAME, tokenizer
+        self.f = open(self.path, "w")
+
+    def write(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.f.write(json.dumps(completion_record(r, self.tokenizer)) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def write_outputs(out: Path, summary: dict, reqs: list[Request], tokenizer) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "metrics.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     with open(out / "completions.jsonl", "w") as f:
         for r in reqs:
-            rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids,
-                   "text": tokenizer.decode(r.output_ids), "finish_reason": r.finish_reason}
-            if r.error:
-                rec["error"] = r.error
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps(completion_record(r, tokenizer)) + "\n")
+    (out / PartialCompletions.NAME).unlink(missing_ok=True)  # completions.jsonl holds all of it, in order
     os.replace(tmp, out / "metrics.json")  # written last: its presence marks a finished job

@@ -77,6 +77,7 @@ class Pipeline:
         self.last_token = torch.zeros(0, dtype=torch.int64, device=self.dev)  # [B]
         self.sampling = sampling or SamplingState(0.0, 1.0, 0, self.dev)
         self.feature_layers = None  # EAGLE-3 drafters read these target layers instead of the final hidden
+        self.finished_log: list[Request] = []  # finished since the runner last looked (it drains this)
 
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
@@ -247,6 +248,7 @@ class Pipeline:
         done = [r for r in self.reqs if r.finished]
         if not done:
             return []
+        self.finished_log.extend(done)
         keep = np.asarray([not r.finished for r in self.reqs])
         self.prep.release_rows(self.rows[~keep].tolist())
         self.reqs = [r for r in self.reqs if not r.finished]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -40,9 +40,10 @@ class Progress:
             self.bar.stop()
 
 
-def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_progress: Optional[bool] = None
-                 ) -> float:
-    """Decode every request to completion; returns wall seconds. Requests keep their input order."""
+def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_progress: Optional[bool] = None,
+                 on_finish: Optional[Callable[[list[Request]], None]] = None) -> float:
+    """Decode every request to completion; returns wall seconds. Requests keep their input order.
+    `on_finish` gets the requests that finished, as they finish (to save them before the run ends)."""
     waiting = deque(r for r in requests if not r.finished)
     t0 = time.perf_counter()
     for r in waiting:
@@ -50,6 +51,7 @@ def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     progress = Progress(sum(r.max_new_tokens for r in waiting), show_progress)
+    done = len(requests) - len(waiting)  # failed before the run (bad prompts); counted as they finish after
     try:
         with torch.no_grad():
             while waiting or pipe.reqs:
@@ -63,7 +65,12 @@ def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_
                     retracted = pipe.step()
                     waiting.extendleft(reversed(retracted))
                     pipe.metrics.step_s.append(time.perf_counter() - ts)
-                progress.update(pipe.metrics.generated_tokens, sum(r.finished for r in requests), len(requests))
+                if pipe.finished_log:
+                    done += len(pipe.finished_log)
+                    if on_finish is not None:
+                        on_finish(pipe.finished_log)
+                    pipe.finished_log = []
+                progress.update(pipe.metrics.generated_tokens, done, len(requests))
     finally:
         progress.close()
     return time.perf_counter() - t0
@@ -76,5 +83,6 @@ def admit_some(pipe: Pipeline, group: list[Request]) -> int:
         n -= 1
     if n == 0 and not pipe.reqs:
         pipe.fail_too_big(group[0])
+        pipe.finished_log.append(group[0])
         return 1
     return n

@@ -57,3 +57,26 @@ def test_help_lists_every_group_option_and_no_schema_entries(tmp_path):
         assert sorted(o.strip().replace(" (default)", "") for o in line.split(None, 1)[1].split(",")
                       if "none by default" not in o) == sorted(f.stem for f in group.glob("*.yaml"))
     assert "base_" not in p.stdout and "eagle (default)" in p.stdout and "--cfg job" in p.stdout
+
+
+def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    partial = out / "completions.partial.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
+                          "workload.max_new_tokens=1500", "workload.batch_size=1", "draft=none",
+                          f"hydra.run.dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not partial.exists() or not partial.read_text().strip()):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr[-2000:]
+    assert "interrupted; the requests that had finished are in" in stderr and "Traceback" not in stderr
+    recs = [json.loads(x) for x in partial.read_text().splitlines()]
+    assert recs and recs[0]["index"] == 0 and len(recs) < 12 and not (out / "metrics.json").exists()

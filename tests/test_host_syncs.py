@@ -36,7 +36,7 @@ def test_one_host_read_per_step(monkeypatch, overrides):
     steps = [0]
 
     def spy(run_requests_fn):
-        def inner(pipe, reqs, batch_size, show_progress=None):
+        def inner(pipe, reqs, batch_size, show_progress=None, **kw):
             cls = type(pipe)
             real = cls.step
 
@@ -48,7 +48,7 @@ def test_one_host_read_per_step(monkeypatch, overrides):
                 finally:
                     in_step[0] = False
             monkeypatch.setattr(cls, "step", counted)
-            return run_requests_fn(pipe, reqs, batch_size, show_progress)
+            return run_requests_fn(pipe, reqs, batch_size, show_progress, **kw)
         return inner
 
     monkeypatch.setattr("specpipe.app.run_requests", spy(run_requests))

@@ -156,3 +156,35 @@ def test_per_request_max_new_tokens(tmp_path, pair):
     assert "max_new_tokens=50 is above the run's workload.max_new_tokens=8" in reqs[2].error
     assert '"max_new_tokens" must be an integer >= 1, got \'many\'' in reqs[3].error
     assert len(reqs[4].output_ids) == 1 and reqs[4].finish_reason == "length"
+
+
+def test_an_interrupted_run_keeps_every_finished_request(tmp_path, pair, monkeypatch):
+    from specpipe.spec_pipeline import SpecPipeline
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(12, seed=4)) + '{"prompt": ""}\n')
+    common = ["workload.max_new_tokens=10", "workload.batch_size=3", "draft.topk=2", "draft.num_steps=3"]
+    full = run_on(path, pair, *common)["requests"]
+    real_step, calls = SpecPipeline.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(SpecPipeline, "step", step)
+    out = tmp_path / "run"
+    cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *common)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, out_dir=str(out), quiet=True, pair=pair)
+    saved = [json.loads(x) for x in (out / "completions.partial.jsonl").read_text().splitlines()]
+    assert not (out / "metrics.json").exists() and 3 < len(saved) < 13  # some finished, not all
+    for rec in saved:  # each as the uninterrupted run finished it
+        r = full[rec["index"]]
+        assert (rec["output_ids"], rec["finish_reason"], rec.get("error")) == (r.output_ids, r.finish_reason, r.error)
+    assert 12 in {rec["index"] for rec in saved}  # the bad prompt, failed before the run, is there too
+
+    monkeypatch.setattr(SpecPipeline, "step", real_step)  # a finished run: only the ordered file remains
+    run(cfg, out_dir=str(out), quiet=True, pair=pair)
+    assert not (out / "completions.partial.jsonl").exists() and (out / "metrics.json").exists()
