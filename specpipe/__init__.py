@@ -3,7 +3,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # `from specpipe import SpecPipe` without importing torch for `python -m specpipe --help`
-    if name in ("SpecPipe", "Completion"):
+    if name in ("SpecPipe", "Completion", "StreamEvent"):
         from specpipe import api
 
         return getattr(api, name)

@@ -4,6 +4,8 @@
     sp = SpecPipe("model=hf", "model.path=/models/Qwen3-8B", "draft.path=/models/Qwen3-8B_eagle3")
     out = sp.generate(["def fib(n):", {"messages": [{"role": "user", "content": "Hi"}]}], max_new_tokens=64)
     out[0].text, sp.metrics["accept_length_mean"]
+    for ev in sp.stream(["def fib(n):"]):   # StreamEvents as tokens are committed
+        print(ev.text, end="", flush=True)
 
 Weights load once, in the constructor; every `generate` call reuses them (and compiled artefacts). A
 prompt is a string, a list of token ids, or a dict as one line of a prompts file ("prompt", "prompt_ids"
@@ -13,9 +15,52 @@ or chat "messages", optionally "seed", "max_new_tokens", "stop"). A bad prompt f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
+
+
+@dataclass
+class StreamEvent:
+    """New output of one request: token ids committed since its last event, their text, and the finish
+    reason on its last event (None before)."""
+    index: int
+    token_ids: list
+    text: str
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+class _Deltas:
+    """Turns requests' growing outputs into StreamEvents; text is held back while it ends in a partial
+    UTF-8 character (decoded as U+FFFD) so every event's text is final."""
+
+    def __init__(self, decode, sink):
+        self.decode, self.sink = decode, sink
+        self.ids_sent: dict[int, int] = {}
+        self.text_sent: dict[int, str] = {}
+        self.closed: set[int] = set()
+
+    def __call__(self, reqs) -> None:
+        for r in reqs:
+            if r.index in self.closed:
+                continue
+            n = self.ids_sent.get(r.index, 0)
+            if len(r.output_ids) == n and not r.finished:
+                continue
+            text = self.decode(r.output_ids)
+            if not r.finished:
+                text = text.rstrip("\ufffd")
+            old = self.text_sent.get(r.index, "")
+            delta = text[len(old):] if text.startswith(old) else text
+            self.ids_sent[r.index], self.text_sent[r.index] = len(r.output_ids), text
+            if r.finished:
+                self.closed.add(r.index)
+            self.sink(StreamEvent(r.index, list(r.output_ids[n:]), delta, r.finish_reason, r.error))
+
+
+class _Cancelled(Exception):
+    pass
 
 
 @dataclass
@@ -63,9 +108,12 @@ class SpecPipe:
         return self.pair.tokenizer
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
-                 stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None) -> list[Completion]:
+                 stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None,
+                 on_event: Optional[Callable[[StreamEvent], None]] = None) -> list[Completion]:
         """Completions in prompt order. `stop`: stop strings for every prompt (taken as given: no escapes);
-        `out_dir` also writes metrics.json and completions.jsonl there."""
+        `out_dir` also writes metrics.json and completions.jsonl there; `on_event` gets a StreamEvent
+        whenever a request commits tokens and when it finishes (each request's last event has its
+        finish_reason, prompts that fail before decoding included)."""
         from specpipe.stop_strings import check_stop
 
         from omegaconf import OmegaConf
@@ -88,8 +136,47 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: {why}")
             extra = [stop] if isinstance(stop, str) else list(stop)
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
-        out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items)
+        deltas = _Deltas(self.pair.tokenizer.decode, on_event) if on_event is not None else None
+        out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items, on_step=deltas)
+        if deltas is not None:  # requests that never ran (bad prompts) get their one, final event
+            deltas(out["requests"])
         self.metrics = out["metrics"]
         decode = self.pair.tokenizer.decode
         return [Completion(r.index, r.prompt, list(r.output_ids), decode(r.output_ids), r.finish_reason, r.error)
                 for r in out["requests"]]
+
+    def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
+               stop: Optional[str | Sequence[str]] = None) -> Iterator[StreamEvent]:
+        """`generate` as an iterator of StreamEvents, in the order tokens are committed. Decoding runs in a
+        worker thread; leaving the loop early stops it at the next step."""
+        import queue
+        import threading
+
+        events: "queue.Queue" = queue.Queue()
+        cancel = threading.Event()
+        done = object()
+
+        def sink(ev: StreamEvent) -> None:
+            if cancel.is_set():
+                raise _Cancelled()
+            events.put(ev)
+
+        def work() -> None:
+            try:
+                self.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, on_event=sink)
+            except _Cancelled:
+                pass
+            except BaseException as e:  # re-raised in the caller's thread
+                events.put(e)
+            events.put(done)
+
+        worker = threading.Thread(target=work, name="specpipe-stream", daemon=True)
+        worker.start()
+        try:
+            while (ev := events.get()) is not done:
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+        finally:
+            cancel.set()
+            worker.join()

@@ -212,8 +212,9 @@ def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
 
 
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
-        items: Optional[list[dict]] = None) -> dict:
-    """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}."""
+        items: Optional[list[dict]] = None, on_step=None) -> dict:
+    """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
+    `on_step(requests)` is called after every decode step (see `run_requests`)."""
     from specpipe.devices.base import use_build_inductor_cache
 
     use_build_inductor_cache()  # before anything asks inductor for its cache folder
@@ -257,7 +258,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         if partial is not None:
             partial.write([r for r in reqs if r.finished])  # bad prompts: failed before the run
         wall = run_requests(pipe, reqs, batch, show_progress=None if not quiet else False,
-                            on_finish=partial.write if partial is not None else None)
+                            on_finish=partial.write if partial is not None else None, on_step=on_step)
     finally:
         metrics.detach()
         if partial is not None:

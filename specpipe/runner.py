@@ -41,9 +41,11 @@ class Progress:
 
 
 def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_progress: Optional[bool] = None,
-                 on_finish: Optional[Callable[[list[Request]], None]] = None) -> float:
+                 on_finish: Optional[Callable[[list[Request]], None]] = None,
+                 on_step: Optional[Callable[[list[Request]], None]] = None) -> float:
     """Decode every request to completion; returns wall seconds. Requests keep their input order.
-    `on_finish` gets the requests that finished, as they finish (to save them before the run ends)."""
+    `on_finish` gets the requests that finished, as they finish (to save them before the run ends);
+    `on_step`, after every step, the running requests and those that just finished (for streaming)."""
     waiting = deque(r for r in requests if not r.finished)
     t0 = time.perf_counter()
     for r in waiting:
@@ -65,6 +67,8 @@ def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_
                     retracted = pipe.step()
                     waiting.extendleft(reversed(retracted))
                     pipe.metrics.step_s.append(time.perf_counter() - ts)
+                if on_step is not None:
+                    on_step(pipe.reqs + pipe.finished_log)
                 if pipe.finished_log:
                     done += len(pipe.finished_log)
                     if on_finish is not None:

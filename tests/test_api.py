@@ -60,3 +60,25 @@ def test_bad_generate_arguments():
         sp.generate(["x"], max_new_tokens=0)
     with pytest.raises(SpecpipeError, match="at least one prompt"):
         sp.generate([])
+
+
+def test_stream_events_add_up_to_the_completions():
+    import threading
+
+    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")
+    prompts = PROMPTS + [""]
+    want = sp.generate(prompts, max_new_tokens=30)
+    events = list(sp.stream(prompts, max_new_tokens=30))
+    for c in want:
+        mine = [e for e in events if e.index == c.index]
+        assert [t for e in mine for t in e.token_ids] == c.output_ids
+        assert "".join(e.text for e in mine) == c.text
+        assert mine[-1].finish_reason == c.finish_reason and all(e.finish_reason is None for e in mine[:-1])
+    assert len([e for e in events if e.index == 0]) > 2  # really incremental, not one event at the end
+    assert [e.error for e in events if e.index == 3] == [want[3].error] and "empty prompt" in want[3].error
+
+    it = sp.stream(PROMPTS * 3, max_new_tokens=40)
+    next(it)
+    it.close()  # leaving early stops the worker thread
+    assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
+    assert sp.generate(PROMPTS[:1], max_new_tokens=30)[0].output_ids == want[0].output_ids
