@@ -112,7 +112,9 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"workload.num_prompts={w.num_prompts} must be >= 1 or null (all prompts)")
     if w.prompts_file is None and w.prompt_set not in PROMPT_SETS:
         errors.append(f"workload.prompt_set={w.prompt_set!r} is unknown (valid: {', '.join(PROMPT_SETS)})")
-    if w.prompts_file is not None and not Path(w.prompts_file).is_file():
+    if w.prompts_file == "-":  # standard input, read when the run starts
+        pass
+    elif w.prompts_file is not None and not Path(w.prompts_file).is_file():
         errors.append(f"workload.prompts_file={w.prompts_file!r} is not a readable file (give a JSON-lines "
                       f'file with one {{"prompt": "..."}} per line)')
     elif w.prompts_file is not None and Path(w.prompts_file).stat().st_size == 0:

@@ -78,10 +78,29 @@ def parse_prompt_line(obj, where) -> dict:
     return {"prompt": obj["prompt"], **seed}
 
 
+_STDIN: list[bytes] = []  # standard input, read once: every job of an in-process sweep sees the same prompts
+
+
+def read_stdin() -> bytes:
+    import sys
+
+    if not _STDIN:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise InputError("workload.prompts_file='-' reads the prompts from standard input, which is a terminal "
+                             "here; pipe a JSON-lines file in: python -m specpipe workload.prompts_file=- < "
+                             "prompts.jsonl")
+        _STDIN.append(sys.stdin.buffer.read())
+    if not _STDIN[0].strip():
+        raise InputError("workload.prompts_file='-': standard input held no prompts; pipe a JSON-lines file with "
+                         'one {"prompt": "..."} object per line into it')
+    return _STDIN[0]
+
+
 def read_prompts_file(path: str) -> list[dict]:
+    """`path` "-" reads standard input (`... | python -m specpipe workload.prompts_file=-`)."""
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        raw = read_stdin() if path == "-" else p.read_bytes()
     except FileNotFoundError:
         raise InputError(f"workload.prompts_file={path!r} does not exist (give a JSON-lines file with one "
                          f'{{"prompt": "..."}} object per line, or leave it unset for the built-in prompts)') from None

@@ -1,4 +1,5 @@
 """A table of bad configs and inputs: each gives one paragraph naming the problem, exit code 2, no traceback."""
+import json
 import os
 import subprocess
 import sys
@@ -118,3 +119,15 @@ def test_a_run_where_every_request_fails_exits_1_and_keeps_its_outputs(tmp_path)
     assert p.returncode == 1 and "every request failed (2 of 2" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert "request 0: empty prompt" in p.stdout and 'request 1: line 2: missing the "prompt" field' in p.stdout
     assert (tmp_path / "run" / "metrics.json").exists() and (tmp_path / "run" / "completions.jsonl").exists()
+
+
+def test_prompts_from_standard_input(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "specpipe", *SMALL, "workload.prompts_file=-", f"hydra.run.dir={tmp_path}/run"]
+    lines = '{"prompt": "def f(x):"}\n{"prompt_ids": [5, 6]}\n'
+    p = subprocess.run(args, cwd=tmp_path, env=env, input=lines, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    recs = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in recs] == ["def f(x):", ""] and all(len(r["output_ids"]) == 4 for r in recs)
+    empty = subprocess.run(args, cwd=tmp_path, env=env, input="", capture_output=True, text=True, timeout=300)
+    assert empty.returncode == 2 and "standard input held no prompts" in empty.stderr
