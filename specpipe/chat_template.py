@@ -30,6 +30,21 @@ def _token_text(value: Any) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
+def _generation_tag():
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text for training masks with it):
+    renders its body unchanged."""
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationTag
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: Optional[dict] = None, origin: str = "chat template"):
         import jinja2
@@ -42,7 +57,7 @@ class ChatTemplate:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

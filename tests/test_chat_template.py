@@ -35,6 +35,11 @@ QWEN = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# assistant turns wrapped in {% generation %} (transformers' assistant-mask tag)
+TAGGED = ("{% for m in messages %}<|start|>{{ m.role }}<|end|>{% if m.role == 'assistant' %}{% generation %}"
+          "{{ m.content }}<|eot|>{% endgeneration %}{% else %}{{ m.content }}<|eot|>{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|start|>assistant<|end|>{% endif %}")
+
 CHATS = [
     [{"role": "user", "content": "  hello there  "}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
@@ -77,7 +82,7 @@ def ours(folder: Path) -> HFTokenizer:
 
 
 @pytest.mark.parametrize("jinja_file", [False, True], ids=["tokenizer_config", "chat_template.jinja"])
-@pytest.mark.parametrize("template", [LLAMA3, QWEN], ids=["llama3", "qwen"])
+@pytest.mark.parametrize("template", [LLAMA3, QWEN, TAGGED], ids=["llama3", "qwen", "generation-tag"])
 def test_render_and_ids_equal_transformers(tmp_path, template, jinja_file):
     transformers = pytest.importorskip("transformers")
     folder = model_folder(tmp_path, template, jinja_file)
