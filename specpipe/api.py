@@ -9,8 +9,9 @@
 
 Weights load once, in the constructor; every `generate` call reuses them (and compiled artefacts). A
 prompt is a string, a list of token ids, or a dict as one line of a prompts file ("prompt", "prompt_ids"
-or chat "messages", optionally "seed", "max_new_tokens", "stop"). A bad prompt fails only its own completion (`finish_reason`
-"error", `error` says why); a bad override raises `SpecpipeError` with the CLI's one-paragraph message.
+or chat "messages", optionally "seed", "max_new_tokens", "stop"). A bad prompt fails only its own
+completion (`finish_reason` "error", `error` says why); a bad override raises `SpecpipeError` with the
+CLI's one-paragraph message.
 """
 from __future__ import annotations
 
@@ -114,11 +115,10 @@ class SpecPipe:
         `out_dir` also writes metrics.json and completions.jsonl there; `on_event` gets a StreamEvent
         whenever a request commits tokens and when it finishes (each request's last event has its
         finish_reason, prompts that fail before decoding included)."""
-        from specpipe.stop_strings import check_stop
-
         from omegaconf import OmegaConf
 
         from specpipe.app import run
+        from specpipe.stop_strings import check_stop
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
