@@ -44,13 +44,31 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
     return items[:num_prompts] if num_prompts is not None else items
 
 
+# fields other engines take per request that would silently do nothing here (other fields, e.g. "id", pass)
+UNSUPPORTED_FIELDS = {
+    "max_tokens": 'use "max_new_tokens" (at most the run\'s workload.max_new_tokens)',
+    "temperature": "sampling is set for the whole run: sampling.temperature=...",
+    "top_p": "sampling is set for the whole run: sampling.top_p=...",
+    "top_k": "sampling is set for the whole run: sampling.top_k=...",
+    "stop_token_ids": "stop ids come from the model's config.json / generation_config.json; use \"stop\" strings",
+}
+
+
 def parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages" (+ "seed", "max_new_tokens", "stop"),
     or its error.
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3")."""
     n = where if isinstance(where, str) else f"line {where}"
-    seed = {"seed": obj["seed"]} if isinstance(obj, dict) and isinstance(obj.get("seed"), int) else {}
+    bad = [k for k in UNSUPPORTED_FIELDS if isinstance(obj, dict) and k in obj]
+    if bad:
+        return {"error": f'{n}: field "{bad[0]}" is not supported per prompt; {UNSUPPORTED_FIELDS[bad[0]]}',
+                "prompt": ""}
+    seed = {}
+    if isinstance(obj, dict) and obj.get("seed") is not None:
+        if isinstance(obj["seed"], bool) or not isinstance(obj["seed"], int):
+            return {"error": f'{n}: "seed" must be an integer, got {obj["seed"]!r}', "prompt": ""}
+        seed["seed"] = obj["seed"]
     if isinstance(obj, dict) and "max_new_tokens" in obj:  # this request's own limit (<= the run's)
         m = obj["max_new_tokens"]
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:

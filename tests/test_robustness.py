@@ -147,7 +147,8 @@ def test_a_second_eos_id_ends_requests_too(tmp_path, pair, monkeypatch, draft):
 def test_per_request_max_new_tokens(tmp_path, pair):
     lines = [{"prompt": "def f(x):", "max_new_tokens": 3}, {"prompt": "def f(x):"},
              {"prompt": "class A:", "max_new_tokens": 50}, {"prompt": "x", "max_new_tokens": "many"},
-             {"prompt_ids": [5, 6, 7], "max_new_tokens": 1}]
+             {"prompt_ids": [5, 6, 7], "max_new_tokens": 1}, {"prompt": "y", "seed": "7"},
+             {"prompt": "z", "max_tokens": 5, "id": "q1"}, {"prompt": "z", "id": "q2", "temperature": 0.7}]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     reqs = run_on(path, pair, "workload.max_new_tokens=8", "draft.topk=2", "draft.num_steps=3")["requests"]
@@ -156,6 +157,9 @@ def test_per_request_max_new_tokens(tmp_path, pair):
     assert "max_new_tokens=50 is above the run's workload.max_new_tokens=8" in reqs[2].error
     assert '"max_new_tokens" must be an integer >= 1, got \'many\'' in reqs[3].error
     assert len(reqs[4].output_ids) == 1 and reqs[4].finish_reason == "length"
+    assert '"seed" must be an integer, got \'7\'' in reqs[5].error  # not silently ignored
+    assert 'field "max_tokens" is not supported per prompt; use "max_new_tokens"' in reqs[6].error
+    assert "sampling.temperature" in reqs[7].error
 
 
 def test_an_interrupted_run_keeps_every_finished_request(tmp_path, pair, monkeypatch):
