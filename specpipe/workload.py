@@ -46,7 +46,6 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
 
 # fields other engines take per request that would silently do nothing here (other fields, e.g. "id", pass)
 UNSUPPORTED_FIELDS = {
-    "max_tokens": 'use "max_new_tokens" (at most the run\'s workload.max_new_tokens)',
     "temperature": "sampling is set for the whole run: sampling.temperature=...",
     "top_p": "sampling is set for the whole run: sampling.top_p=...",
     "top_k": "sampling is set for the whole run: sampling.top_k=...",
@@ -69,11 +68,14 @@ def parse_prompt_line(obj, where) -> dict:
         if isinstance(obj["seed"], bool) or not isinstance(obj["seed"], int):
             return {"error": f'{n}: "seed" must be an integer, got {obj["seed"]!r}', "prompt": ""}
         seed["seed"] = obj["seed"]
-    if isinstance(obj, dict) and "max_new_tokens" in obj:  # this request's own limit (<= the run's)
-        m = obj["max_new_tokens"]
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            return {"error": f'{n}: "max_new_tokens" must be an integer >= 1, got {m!r}', "prompt": ""}
-        seed["max_new_tokens"] = m
+    for key in ("max_new_tokens", "max_tokens"):  # this request's own limit (<= the run's); OpenAI's name too
+        if isinstance(obj, dict) and key in obj:
+            m = obj[key]
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                return {"error": f'{n}: "{key}" must be an integer >= 1, got {m!r}', "prompt": ""}
+            if seed.get("max_new_tokens", m) != m:
+                return {"error": f'{n}: "max_new_tokens" and "max_tokens" disagree; give one', "prompt": ""}
+            seed["max_new_tokens"] = m
     if isinstance(obj, dict) and "stop" in obj:
         why = check_stop(obj["stop"])
         if why:
