@@ -211,6 +211,22 @@ def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
                           f"{pair.target.config.vocab_size}; it must share the target's tokenizer")
 
 
+def model_sampling(cfg: DictConfig, pair) -> tuple[DictConfig, str]:
+    """cfg with sampling.* from the model's generation_config.json when sampling.from_model is set;
+    and where the settings came from ("config", or that file)."""
+    from omegaconf import OmegaConf
+
+    from specpipe.models.hf import generation_sampling
+
+    source = pair.target.config.extra.get("source")
+    if not cfg.sampling.get("from_model") or source is None:
+        return cfg, "config"
+    found = generation_sampling(Path(source))
+    if not found:
+        return cfg, "config (the model folder sets no sampling)"
+    return OmegaConf.merge(cfg, {"sampling": found}), str(Path(source) / "generation_config.json")
+
+
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
         items: Optional[list[dict]] = None, on_step=None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
@@ -230,6 +246,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                                              or getattr(pair, "standalone_source", None) != cfg.draft.path):
         load_standalone(cfg, pair, dtype, device)
         pair.standalone_source = cfg.draft.path
+    cfg, sampling_source = model_sampling(cfg, pair)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")))
@@ -267,6 +284,9 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_leaked_slots"] = int(allocator.size - allocator.available())
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
+    sp = cfg.sampling
+    summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
+                           "source": sampling_source}
     summary["num_requests"] = len(reqs)
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]

@@ -4,6 +4,14 @@ from __future__ import annotations
 from typing import Optional
 
 
+def sampling_text(sp: Optional[dict]) -> str:
+    if not sp:
+        return "-"
+    text = "greedy" if sp["temperature"] <= 0 else \
+        f"temperature {sp['temperature']:g}, top_p {sp['top_p']:g}, top_k {sp['top_k']}"
+    return text + (f" ({sp['source']})" if not sp["source"].startswith("config") else "")
+
+
 def print_summary(m: dict, out_dir: Optional[str]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -24,6 +32,7 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
         ("wall time", f"{m['wall_s']:.2f} s"),
         ("tokens/s", f"{m['tokens_per_s']:.1f}"),
         ("acceptance length", "-" if al is None else f"{al:.2f}"),
+        ("sampling", sampling_text(m.get("sampling"))),
         ("acceptance per position", ", ".join(f"{x:.2f}" for x in m["acceptance_rate_per_position"])),
         ("verify steps", str(m["num_verify_steps"])),
         ("recompiles", str(m["recompiles"])),

@@ -212,6 +212,9 @@ class SamplingConf:
     top_p: float = 1.0  # nucleus mass kept (1: off)
     top_k: int = 0  # most likely tokens kept (0: off)
     seed: Optional[int] = None  # run-level sampling seed (None: the top-level seed); a prompt's "seed" wins
+    # take temperature / top_p / top_k from the model folder's generation_config.json where it sets them (as vLLM
+    # does by default); do_sample=false there means greedy
+    from_model: bool = False
 
 
 # ---- root -------------------------------------------------------------------------------

@@ -335,6 +335,31 @@ def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def generation_sampling(folder: Path) -> dict:
+    """The sampling settings a folder's generation_config.json sets (temperature, top_p, top_k; do_sample=false
+    is greedy), as vLLM applies them: only the keys present. {} without the file."""
+    gen = Path(folder) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        raw = json.loads(gen.read_text())
+        assert isinstance(raw, dict), "expected a JSON object"
+    except (OSError, ValueError, AssertionError) as e:
+        raise CheckpointError(f"{gen}: not a valid generation config ({e})") from None
+    if raw.get("do_sample") is False:
+        return {"temperature": 0.0}
+    out = {}
+    for key, lo, hi in (("temperature", 0.0, None), ("top_p", 1e-9, 1.0), ("top_k", None, None)):
+        v = raw.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (lo is not None and v < lo) or \
+                (hi is not None and v > hi):
+            raise CheckpointError(f"{gen}: field '{key}' is {v!r}, not a usable {key}")
+        out[key] = max(int(v), 0) if key == "top_k" else float(v)  # top_k -1 (vLLM) or 0: off
+    return out
+
+
 def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = None):
     """``specpipe_tokenizer`` in config.json, else tokenizer.json, else a CheckpointError."""
     from specpipe.tokenizer import HFTokenizer, tokenizer_from_description

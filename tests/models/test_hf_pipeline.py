@@ -57,3 +57,28 @@ def test_eagle_decode_equals_transformers_generate(make_hf_model, edit_config, t
             ref = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1,
                                  eos_token_id=299, pad_token_id=0)[0, len(p):].tolist()
             assert req.output_ids == ref, (variant, p)
+
+
+def test_sampling_from_the_models_generation_config(make_hf_model, edit_config, tmp_path):
+    from specpipe.models.hf import CheckpointError, generation_sampling
+
+    folder = tmp_path / "target"
+    make_hf_model("qwen3_bias_window", seed=14).save_pretrained(folder)
+    edit_config(folder, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299})
+    gen = folder / "generation_config.json"
+    gen.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_k": -1, "eos_token_id": 299}))
+    assert generation_sampling(folder) == {"temperature": 0.6, "top_k": 0}  # only what the file sets
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt_ids": [5, 6, 7]}) + "\n")
+    base = ["model=hf", f"model.path={folder}", "draft=ngram", f"workload.prompts_file={path}",
+            "workload.max_new_tokens=4", "sampling.top_p=0.9"]
+    m = run(compose(*base, "sampling.from_model=true"), quiet=True)["metrics"]
+    assert m["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "source": str(gen)}
+    assert m["config"]["sampling"]["temperature"] == 0.6  # what the run really used
+    assert run(compose(*base), quiet=True)["metrics"]["sampling"]["temperature"] == 0.0  # off by default
+
+    gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
+    assert generation_sampling(folder) == {"temperature": 0.0}
+    gen.write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(CheckpointError, match="field 'temperature' is 'hot'"):
+        generation_sampling(folder)
