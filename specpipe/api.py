@@ -110,11 +110,13 @@ class SpecPipe:
 
     def generate(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
                  stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None,
-                 on_event: Optional[Callable[[StreamEvent], None]] = None) -> list[Completion]:
+                 on_event: Optional[Callable[[StreamEvent], None]] = None, temperature: Optional[float] = None,
+                 top_p: Optional[float] = None, top_k: Optional[int] = None) -> list[Completion]:
         """Completions in prompt order. `stop`: stop strings for every prompt (taken as given: no escapes);
         `out_dir` also writes metrics.json and completions.jsonl there; `on_event` gets a StreamEvent
         whenever a request commits tokens and when it finishes (each request's last event has its
-        finish_reason, prompts that fail before decoding included)."""
+        finish_reason, prompts that fail before decoding included). `temperature`, `top_p`, `top_k`: this
+        call's sampling (sampling.* for all its prompts; a prompt's "seed" still picks its coins)."""
         from omegaconf import OmegaConf
 
         from specpipe.app import run
@@ -129,6 +131,14 @@ class SpecPipe:
             if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
                 raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
             cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
+        sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k))
+                    if v is not None}
+        if sampling:
+            try:
+                cfg = OmegaConf.merge(cfg, {"sampling": sampling})
+            except Exception as e:  # a type OmegaConf cannot convert: the same words as the CLI's
+                raise SpecpipeError(f"specpipe: invalid sampling argument {sampling}: {str(e).splitlines()[0]}") \
+                    from None
         items = [prompt_item(p, n) for n, p in enumerate(prompts)]
         if stop is not None:
             why = check_stop(stop)
@@ -146,9 +156,9 @@ class SpecPipe:
                 for r in out["requests"]]
 
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
-               stop: Optional[str | Sequence[str]] = None) -> Iterator[StreamEvent]:
-        """`generate` as an iterator of StreamEvents, in the order tokens are committed. Decoding runs in a
-        worker thread; leaving the loop early stops it at the next step."""
+               stop: Optional[str | Sequence[str]] = None, **sampling) -> Iterator[StreamEvent]:
+        """`generate` as an iterator of StreamEvents, in the order tokens are committed (`sampling`: its
+        temperature / top_p / top_k). Decoding runs in a worker thread; leaving the loop early stops it."""
         import queue
         import threading
 
@@ -163,7 +173,7 @@ class SpecPipe:
 
         def work() -> None:
             try:
-                self.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, on_event=sink)
+                self.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, on_event=sink, **sampling)
             except _Cancelled:
                 pass
             except BaseException as e:  # re-raised in the caller's thread

@@ -82,3 +82,18 @@ def test_stream_events_add_up_to_the_completions():
     it.close()  # leaving early stops the worker thread
     assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
     assert sp.generate(PROMPTS[:1], max_new_tokens=30)[0].output_ids == want[0].output_ids
+
+
+def test_per_call_sampling():
+    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")
+    greedy = sp.generate(PROMPTS, max_new_tokens=16)
+    hot = sp.generate([{"prompt": p, "seed": 3} for p in PROMPTS], max_new_tokens=16, temperature=1.5, top_k=40)
+    assert sp.metrics["sampling"]["temperature"] == 1.5 and sp.metrics["sampling"]["top_k"] == 40
+    assert [c.output_ids for c in hot] != [c.output_ids for c in greedy]
+    again = sp.generate([{"prompt": p, "seed": 3} for p in PROMPTS], max_new_tokens=16, temperature=1.5, top_k=40)
+    assert [c.output_ids for c in again] == [c.output_ids for c in hot]  # seeded: reproducible
+    assert sp.generate(PROMPTS, max_new_tokens=16)[0].output_ids == greedy[0].output_ids  # the call's own setting
+    with pytest.raises(SpecpipeError, match=r"sampling.temperature=-1.0 must be >= 0"):
+        sp.generate(PROMPTS, temperature=-1)
+    with pytest.raises(SpecpipeError, match="invalid sampling argument"):
+        sp.generate(PROMPTS, top_k="many")
