@@ -97,12 +97,17 @@ def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
 
 
 def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int,
-                  stop: Sequence[str] = (), ignore_eos: bool = False) -> list[Request]:
+                  stop: Sequence[str] = (), ignore_eos: bool = False,
+                  sampling: tuple = (0.0, 1.0, 0)) -> list[Request]:
     """One Request per prompt; a bad prompt becomes that request's error, never the run's. `stop`: stop
-    strings of every request (a prompt's own "stop" adds to them); `ignore_eos` drops them all."""
+    strings of every request (a prompt's own "stop" adds to them); `ignore_eos` drops them all.
+    `sampling`: the run's (temperature, top_p, top_k), completed by a prompt's own where it sets some."""
     reqs = []
     for i, it in enumerate(items):
         r = Request(i, it.get("prompt", ""), [], it.get("max_new_tokens", max_new_tokens))
+        own = it.get("sampling")
+        if own:
+            r.sampling = tuple(own.get(k, v) for k, v in zip(("temperature", "top_p", "top_k"), sampling))
         stops = [] if ignore_eos else list(dict.fromkeys([*stop, *it.get("stop", ())]))
         if stops:
             r.stop_strings = StopStrings(stops, tokenizer.decode)
@@ -143,7 +148,9 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
     return reqs
 
 
-def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, device):
+def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, device, sampled: bool = False):
+    """The drafter `cfg.draft` names; `sampled`: some request samples (a standalone chain then samples its
+    drafts, for rejection sampling)."""
     d = cfg.draft
     if d.method == "eagle":
         if pair.draft is None:
@@ -159,10 +166,15 @@ def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, d
     if d.method == "standalone":
         from specpipe.drafters.standalone import StandaloneDrafter
 
-        sampled = cfg.sampling.temperature > 0 and d.topk == 1
         return StandaloneProposer(StandaloneDrafter(pair.standalone, d.topk, d.num_steps, d.num_draft_tokens),
-                                  sampled_chain=sampled)
+                                  sampled_chain=sampled and d.topk == 1)
     raise ConfigError(f"draft.method={d.method!r} is unknown")
+
+
+def any_sampled(cfg: DictConfig, reqs: list[Request]) -> bool:
+    """Whether any request samples (the run's temperature, or a prompt's own): the greedy-only fast paths
+    are then off and greedy requests ride the sampling path as one-hots (the same tokens)."""
+    return cfg.sampling.temperature > 0 or any(r.sampling is not None and r.sampling[0] > 0 for r in reqs)
 
 
 def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request], metrics: Metrics):
@@ -173,10 +185,11 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     max_requests = running_batch(cfg, reqs)
     eos = None if cfg.workload.get("ignore_eos") else stop_token_ids(pair.tokenizer)
     sp = cfg.sampling
-    sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device)
+    sampled = any_sampled(cfg, reqs)
+    sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device, greedy=not sampled)
     if d.method == "none":
         return PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
-    proposer = build_proposer(cfg, pair, max_requests, max_context, device)
+    proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled)
     return SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
                         d.num_steps, d.num_draft_tokens, make_wrap(cfg, device, metrics), sampling)
 
@@ -249,7 +262,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     cfg, sampling_source = model_sampling(cfg, pair)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
-                         run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")))
+                         run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
+                         sampling=(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k))
     allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
     pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
     if pair.draft is not None:
@@ -286,7 +300,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     sp = cfg.sampling
     summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-                           "source": sampling_source}
+                           "source": sampling_source, "per_request": sum(r.sampling is not None for r in reqs)}
     summary["num_requests"] = len(reqs)
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]

@@ -41,6 +41,7 @@ class Request:
     seed: int = 0  # the request's own sampling seed
     retractions: int = 0  # times it was evicted under KV pressure and re-queued
     stop_strings: Optional[Any] = None  # a StopStrings checker when the request has stop strings
+    sampling: Optional[tuple] = None  # its own (temperature, top_p, top_k); None: the run's
 
     @property
     def context_ids(self) -> list:
@@ -218,7 +219,7 @@ class Pipeline:
                 return False
             rows_np, ids, hidden, batch, last, logits = out
             old = len(self.reqs)
-            self.sampling.join([r.seed for r in reqs])
+            self.sampling.join([r.seed for r in reqs], [r.sampling for r in reqs])
             new_rows = torch.arange(old, old + len(reqs), device=self.dev)
             first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(context)
             finite = torch.isfinite(logits).all(-1)

@@ -9,7 +9,8 @@ def sampling_text(sp: Optional[dict]) -> str:
         return "-"
     text = "greedy" if sp["temperature"] <= 0 else \
         f"temperature {sp['temperature']:g}, top_p {sp['top_p']:g}, top_k {sp['top_k']}"
-    return text + (f" ({sp['source']})" if not sp["source"].startswith("config") else "")
+    text += f" ({sp['source']})" if not sp["source"].startswith("config") else ""
+    return text + (f"; {sp['per_request']} request(s) with their own" if sp.get("per_request") else "")
 
 
 def print_summary(m: dict, out_dir: Optional[str]) -> None:

@@ -7,6 +7,7 @@ which other requests share the batch. Temperature 0 is greedy.
 from __future__ import annotations
 
 import zlib
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -26,21 +27,24 @@ def request_seed(base_seed: int, index: int, explicit=None) -> int:
 class SamplingState:
     """temperature/top_p/top_k/seed per running request [B], joined and filtered with the batch."""
 
-    def __init__(self, temperature: float, top_p: float, top_k: int, device):
+    def __init__(self, temperature: float, top_p: float, top_k: int, device, greedy: Optional[bool] = None):
+        """Run-level settings; `greedy` (default: temperature <= 0) is False when any request samples, even if
+        the run's default is greedy (greedy rows then go through the sampling path as one-hots)."""
         self.params = (float(temperature), float(top_p), int(top_k))
-        self.greedy = temperature <= 0
+        self.greedy = temperature <= 0 if greedy is None else greedy
         self.dev = device
         self.temperature = torch.zeros(0, device=device)
         self.top_p = torch.zeros(0, device=device)
         self.top_k = torch.zeros(0, dtype=torch.int64, device=device)
         self.seed = torch.zeros(0, dtype=torch.int64, device=device)
 
-    def join(self, seeds: list[int]) -> None:
-        n = len(seeds)
-        t, p, k = self.params
-        self.temperature = torch.cat([self.temperature, torch.full((n,), t, device=self.dev)])
-        self.top_p = torch.cat([self.top_p, torch.full((n,), p, device=self.dev)])
-        self.top_k = torch.cat([self.top_k, torch.full((n,), k, dtype=torch.int64, device=self.dev)])
+    def join(self, seeds: list[int], params: Optional[list] = None) -> None:
+        """New requests: their seeds, and their own (temperature, top_p, top_k) where given (None: the run's)."""
+        rows = [q if q is not None else self.params for q in (params or [None] * len(seeds))]
+        t, p, k = (list(c) for c in zip(*rows)) if rows else ([], [], [])
+        self.temperature = torch.cat([self.temperature, torch.tensor(t, dtype=torch.float32, device=self.dev)])
+        self.top_p = torch.cat([self.top_p, torch.tensor(p, dtype=torch.float32, device=self.dev)])
+        self.top_k = torch.cat([self.top_k, torch.tensor(k, dtype=torch.int64, device=self.dev)])
         self.seed = torch.cat([self.seed, torch.tensor(seeds, dtype=torch.int64, device=self.dev)])
 
     def keep(self, keep_t: Tensor) -> None:

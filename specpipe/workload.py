@@ -46,16 +46,13 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
 
 # fields other engines take per request that would silently do nothing here (other fields, e.g. "id", pass)
 UNSUPPORTED_FIELDS = {
-    "temperature": "sampling is set for the whole run: sampling.temperature=...",
-    "top_p": "sampling is set for the whole run: sampling.top_p=...",
-    "top_k": "sampling is set for the whole run: sampling.top_k=...",
     "stop_token_ids": "stop ids come from the model's config.json / generation_config.json; use \"stop\" strings",
 }
 
 
 def parse_prompt_line(obj, where) -> dict:
-    """One request's item from a JSON value: "prompt", "prompt_ids" or "messages" (+ "seed", "max_new_tokens", "stop"),
-    or its error.
+    """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
+    "max_new_tokens" (or "max_tokens"), "stop", "temperature", "top_p", "top_k"; or its error.
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3")."""
     n = where if isinstance(where, str) else f"line {where}"
@@ -68,6 +65,18 @@ def parse_prompt_line(obj, where) -> dict:
         if isinstance(obj["seed"], bool) or not isinstance(obj["seed"], int):
             return {"error": f'{n}: "seed" must be an integer, got {obj["seed"]!r}', "prompt": ""}
         seed["seed"] = obj["seed"]
+    own = {}  # this request's sampling, where it sets some (the run's sampling.* fills the rest)
+    for key, ok, valid in (("temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
+                           ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("top_k", lambda v: v >= 0, ">= 0")):
+        if isinstance(obj, dict) and obj.get(key) is not None:
+            v = obj[key]
+            kind_ok = isinstance(v, int) if key == "top_k" else isinstance(v, (int, float))
+            if isinstance(v, bool) or not kind_ok or not ok(v):
+                return {"error": f'{n}: "{key}" must be {"an integer" if key == "top_k" else "a number"} {valid}, '
+                                 f"got {v!r}", "prompt": ""}
+            own[key] = v if key == "top_k" else float(v)
+    if own:
+        seed["sampling"] = own
     for key in ("max_new_tokens", "max_tokens"):  # this request's own limit (<= the run's); OpenAI's name too
         if isinstance(obj, dict) and key in obj:
             m = obj[key]

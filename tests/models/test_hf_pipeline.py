@@ -73,7 +73,7 @@ def test_sampling_from_the_models_generation_config(make_hf_model, edit_config, 
     base = ["model=hf", f"model.path={folder}", "draft=ngram", f"workload.prompts_file={path}",
             "workload.max_new_tokens=4", "sampling.top_p=0.9"]
     m = run(compose(*base, "sampling.from_model=true"), quiet=True)["metrics"]
-    assert m["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "source": str(gen)}
+    assert m["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "source": str(gen), "per_request": 0}
     assert m["config"]["sampling"]["temperature"] == 0.6  # what the run really used
     assert run(compose(*base), quiet=True)["metrics"]["sampling"]["temperature"] == 0.0  # off by default
 

@@ -1,0 +1,59 @@
+"""A prompt's own temperature / top_p / top_k: greedy and sampled requests share one batch. Greedy ones give
+exactly the greedy tokens; sampled ones give what the same settings give run-wide (same seeds)."""
+import json
+
+import pytest
+
+from helpers import compose, random_prompts
+from specpipe.app import run
+from specpipe.models.random_tiny import build_random_tiny
+
+HOT = {"temperature": 0.9, "top_k": 30, "top_p": 0.95}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_random_tiny(seed=4, dtype="float64")
+
+
+def decode(pair, tmp_path, name, lines, *overrides):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
+                  "workload.max_new_tokens=16", "workload.batch_size=4", *overrides)
+    out = run(cfg, quiet=True, pair=pair)
+    assert out["metrics"]["num_errors"] == 0
+    return [r.output_ids for r in out["requests"]]
+
+
+@pytest.mark.parametrize("drafter", [["draft.topk=2", "draft.num_steps=3"], ["draft=ngram"],
+                                     ["draft=standalone", "draft.topk=1", "draft.num_steps=3"], ["draft=none"]])
+def test_greedy_and_sampled_requests_share_a_batch(pair, tmp_path, drafter):
+    prompts = random_prompts(9, [4, 9, 16, 25, 7, 12])
+    hot = [i % 2 == 1 for i in range(len(prompts))]
+    greedy = decode(pair, tmp_path, "g", [{"prompt": p} for p in prompts], "draft=none")
+    # the run greedy, odd prompts sampling on their own; then the run sampling, even prompts greedy on their own
+    mixed = decode(pair, tmp_path, "a", [{"prompt": p, "seed": i, **(HOT if h else {})}
+                                         for i, (p, h) in enumerate(zip(prompts, hot))], *drafter)
+    flipped = decode(pair, tmp_path, "b", [{"prompt": p, "seed": i, **({} if h else {"temperature": 0})}
+                                           for i, (p, h) in enumerate(zip(prompts, hot))], *drafter,
+                     *(f"sampling.{k}={v}" for k, v in HOT.items()))
+    assert mixed == flipped  # a request's tokens follow its own settings and seed, whatever the run default
+    for out, ref, h in zip(mixed, greedy, hot):
+        if not h:
+            assert out == ref  # greedy requests: exactly the target's greedy decode
+    assert any(out != ref for out, ref, h in zip(mixed, greedy, hot) if h)  # the others really sampled
+
+
+def test_bad_per_prompt_sampling_fails_the_request(pair, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in [{"prompt": "a", "temperature": -1},
+                                                             {"prompt": "b", "top_p": 0}, {"prompt": "c", "top_k": 2.5},
+                                                             {"prompt": "d", "temperature": "hot"}, {"prompt": "e"}]))
+    cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
+                  "workload.max_new_tokens=4")
+    reqs = run(cfg, quiet=True, pair=pair)["requests"]
+    assert '"temperature" must be a number >= 0 (0 is greedy), got -1' in reqs[0].error
+    assert '"top_p" must be a number in (0, 1], got 0' in reqs[1].error
+    assert '"top_k" must be an integer >= 0, got 2.5' in reqs[2].error
+    assert "got 'hot'" in reqs[3].error and reqs[4].error is None
