@@ -133,9 +133,12 @@ class SpecPipe:
             cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
         sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k))
                     if v is not None}
-        if sampling:
+        if sampling:  # this call's values win over the model's generation_config (from_model) and sampling.*
+            from specpipe.app import model_sampling
+
+            cfg, _ = model_sampling(cfg, self.pair)
             try:
-                cfg = OmegaConf.merge(cfg, {"sampling": sampling})
+                cfg = OmegaConf.merge(cfg, {"sampling": {**sampling, "from_model": False}})
             except Exception as e:  # a type OmegaConf cannot convert: the same words as the CLI's
                 raise SpecpipeError(f"specpipe: invalid sampling argument {sampling}: {str(e).splitlines()[0]}") \
                     from None

@@ -82,3 +82,17 @@ def test_sampling_from_the_models_generation_config(make_hf_model, edit_config, 
     gen.write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(CheckpointError, match="field 'temperature' is 'hot'"):
         generation_sampling(folder)
+
+
+def test_api_sampling_wins_over_the_models(make_hf_model, edit_config, tmp_path):
+    from specpipe import SpecPipe
+
+    folder = tmp_path / "target"
+    make_hf_model("llama", seed=15).save_pretrained(folder)
+    edit_config(folder, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299})
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.8}))
+    sp = SpecPipe("model=hf", f"model.path={folder}", "draft=ngram", "sampling.from_model=true")
+    sp.generate([[5, 6, 7]], max_new_tokens=3)
+    assert (sp.metrics["sampling"]["temperature"], sp.metrics["sampling"]["top_p"]) == (0.6, 0.8)
+    sp.generate([[5, 6, 7]], max_new_tokens=3, temperature=1.2)  # the call's value; the model's top_p stays
+    assert (sp.metrics["sampling"]["temperature"], sp.metrics["sampling"]["top_p"]) == (1.2, 0.8)
