@@ -120,6 +120,7 @@ class SpecPipe:
         from omegaconf import OmegaConf
 
         from specpipe.app import run
+        from specpipe.schema import is_int
         from specpipe.stop_strings import check_stop
 
         if isinstance(prompts, (str, dict)):
@@ -128,7 +129,7 @@ class SpecPipe:
             raise SpecpipeError("specpipe: generate() needs at least one prompt")
         cfg = self.cfg
         if max_new_tokens is not None:
-            if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            if not is_int(max_new_tokens) or max_new_tokens < 1:
                 raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
             cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
         sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k))

@@ -217,6 +217,29 @@ class SamplingConf:
     from_model: bool = False
 
 
+# what a temperature / top_p / top_k may be: (integer only, valid, its words); one rule for sampling.*, a prompt's
+# own values and a model's generation_config.json
+SAMPLING_RULES = {
+    "temperature": (False, lambda v: v >= 0, ">= 0 (0 is greedy)"),
+    "top_p": (False, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (True, lambda v: v >= 0, ">= 0"),
+}
+
+
+def is_int(v) -> bool:
+    """A JSON / Python integer (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def sampling_problem(key: str, v) -> Optional[str]:
+    """Why `v` is not a usable `key` ("must be a number >= 0 (0 is greedy)", ...), or None."""
+    integer, ok, words = SAMPLING_RULES[key]
+    typed = is_int(v) or (not integer and isinstance(v, float))
+    if typed and ok(v):
+        return None
+    return f"must be {'an integer' if integer else 'a number'} {words}"
+
+
 # ---- root -------------------------------------------------------------------------------
 @dataclass
 class Config:

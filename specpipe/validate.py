@@ -8,8 +8,9 @@ from omegaconf import DictConfig, OmegaConf
 from specpipe.build import check_target
 from specpipe.compile_policy import PolicyError, device_problem, parse_policy
 from specpipe.errors import ConfigError
-from specpipe.stop_strings import check_stop, unescape
+from specpipe.schema import SAMPLING_RULES
 from specpipe.schema import WEIGHT_LAYOUTS as LAYOUTS
+from specpipe.stop_strings import check_stop, unescape
 from specpipe.workload import PROMPT_SETS
 
 DRAFT_METHODS = ("eagle", "none", "ngram", "standalone")
@@ -136,13 +137,10 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"allocator.window={a.window} is shorter than one speculative step needs "
                       f"(num_steps + 1 = {cfg.draft.num_steps + 1} tokens); use allocator.window>="
                       f"{cfg.draft.num_steps + 1}")
-    sp = cfg.sampling
-    if sp.temperature < 0:
-        errors.append(f"sampling.temperature={sp.temperature} must be >= 0 (0 is greedy)")
-    if not 0 < sp.top_p <= 1:
-        errors.append(f"sampling.top_p={sp.top_p} must be in (0, 1] (1 keeps every token)")
-    if sp.top_k < 0:
-        errors.append(f"sampling.top_k={sp.top_k} must be >= 0 (0 keeps every token)")
+    for key, hint in (("temperature", ""), ("top_p", " (1 keeps every token)"), ("top_k", " (0 keeps every token)")):
+        v = cfg.sampling[key]
+        if not SAMPLING_RULES[key][1](v):  # the schema has typed it already
+            errors.append(f"sampling.{key}={v} must be {SAMPLING_RULES[key][2]}{hint}")
     if cfg.get("latency_limit_ms") is not None and cfg.latency_limit_ms <= 0:
         errors.append(f"latency_limit_ms={cfg.latency_limit_ms} must be > 0 (or null for no limit)")
     if cfg.seed < 0:

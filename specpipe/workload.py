@@ -8,6 +8,7 @@ from typing import Optional
 from specpipe.chat_template import check_messages
 from specpipe.stop_strings import check_stop
 from specpipe.errors import InputError
+from specpipe.schema import SAMPLING_RULES, is_int, sampling_problem
 
 # "heldout" (code contexts from stdlib files the shipped pair never trained on) lives in
 # assets/prompts/heldout.jsonl, written by scripts/make_heldout_prompts.py
@@ -60,51 +61,49 @@ def parse_prompt_line(obj, where) -> dict:
     if bad:
         return {"error": f'{n}: field "{bad[0]}" is not supported per prompt; {UNSUPPORTED_FIELDS[bad[0]]}',
                 "prompt": ""}
-    seed = {}
-    if isinstance(obj, dict) and obj.get("seed") is not None:
-        if isinstance(obj["seed"], bool) or not isinstance(obj["seed"], int):
-            return {"error": f'{n}: "seed" must be an integer, got {obj["seed"]!r}', "prompt": ""}
-        seed["seed"] = obj["seed"]
+    extra = {}  # what the request takes besides its prompt
+    d = obj if isinstance(obj, dict) else {}
+    if d.get("seed") is not None:
+        if not is_int(d["seed"]):
+            return {"error": f'{n}: "seed" must be an integer, got {d["seed"]!r}', "prompt": ""}
+        extra["seed"] = d["seed"]
     own = {}  # this request's sampling, where it sets some (the run's sampling.* fills the rest)
-    for key, ok, valid in (("temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
-                           ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("top_k", lambda v: v >= 0, ">= 0")):
-        if isinstance(obj, dict) and obj.get(key) is not None:
-            v = obj[key]
-            kind_ok = isinstance(v, int) if key == "top_k" else isinstance(v, (int, float))
-            if isinstance(v, bool) or not kind_ok or not ok(v):
-                return {"error": f'{n}: "{key}" must be {"an integer" if key == "top_k" else "a number"} {valid}, '
-                                 f"got {v!r}", "prompt": ""}
-            own[key] = v if key == "top_k" else float(v)
+    for key in SAMPLING_RULES:
+        if d.get(key) is not None:
+            why = sampling_problem(key, d[key])
+            if why:
+                return {"error": f'{n}: "{key}" {why}, got {d[key]!r}', "prompt": ""}
+            own[key] = d[key] if key == "top_k" else float(d[key])
     if own:
-        seed["sampling"] = own
+        extra["sampling"] = own
     for key in ("max_new_tokens", "max_tokens"):  # this request's own limit (<= the run's); OpenAI's name too
-        if isinstance(obj, dict) and key in obj:
-            m = obj[key]
-            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        if key in d:
+            m = d[key]
+            if not is_int(m) or m < 1:
                 return {"error": f'{n}: "{key}" must be an integer >= 1, got {m!r}', "prompt": ""}
-            if seed.get("max_new_tokens", m) != m:
+            if extra.get("max_new_tokens", m) != m:
                 return {"error": f'{n}: "max_new_tokens" and "max_tokens" disagree; give one', "prompt": ""}
-            seed["max_new_tokens"] = m
-    if isinstance(obj, dict) and "stop" in obj:
-        why = check_stop(obj["stop"])
+            extra["max_new_tokens"] = m
+    if "stop" in d:
+        why = check_stop(d["stop"])
         if why:
             return {"error": f"{n}: {why}", "prompt": ""}
-        seed["stop"] = [obj["stop"]] if isinstance(obj["stop"], str) else list(obj["stop"])
+        extra["stop"] = [d["stop"]] if isinstance(d["stop"], str) else list(d["stop"])
     if isinstance(obj, dict) and "prompt" not in obj:
         if "prompt_ids" in obj:
             ids = obj["prompt_ids"]
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            if not isinstance(ids, list) or not all(map(is_int, ids)):
                 return {"error": f'{n}: "prompt_ids" must be a list of integers', "prompt": ""}
-            return {"prompt": "", "prompt_ids": ids, **seed}
+            return {"prompt": "", "prompt_ids": ids, **extra}
         if "messages" in obj:
             why = check_messages(obj["messages"])
             return {"error": f"{n}: {why}", "prompt": ""} if why else \
-                {"prompt": "", "messages": obj["messages"], **seed}
+                {"prompt": "", "messages": obj["messages"], **extra}
     if not isinstance(obj, dict) or "prompt" not in obj:
         return {"error": f'{n}: missing the "prompt" field (or "prompt_ids", or "messages")', "prompt": ""}
     if not isinstance(obj["prompt"], str):
         return {"error": f'{n}: "prompt" must be a string', "prompt": ""}
-    return {"prompt": obj["prompt"], **seed}
+    return {"prompt": obj["prompt"], **extra}
 
 
 _STDIN: list[bytes] = []  # standard input, read once: every job of an in-process sweep sees the same prompts

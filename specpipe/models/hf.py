@@ -22,6 +22,7 @@ from specpipe.models.llama import LlamaConfig, LlamaForCausalLM, Rotary
 from specpipe.models.hf_save import config_to_hf, save_eagle, save_target, to_dtype  # noqa: F401  (public API)
 from specpipe.models.pair import ModelPair
 from specpipe.errors import SpecpipeError
+from specpipe.schema import is_int, sampling_problem
 
 TARGET_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3"}
@@ -65,7 +66,7 @@ def _family(raw: dict, file: Path, draft: bool) -> str:
 
 def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None) -> int:
     v = raw.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+    if not is_int(v) or v <= 0:
         what = "is missing" if v is None else f"must be a positive integer, got {v!r}"
         raise CheckpointError(f"{file}: required field '{key}' {what}")
     return v
@@ -315,29 +316,8 @@ def load_draft(path: str | Path, target: LlamaForCausalLM, dtype: str | torch.dt
     return load_draft_folder(Path(path), target, to_dtype(dtype), device)
 
 
-def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
-    """Every EOS id config.json and generation_config.json name (an int or a list in either), in that order.
-
-    HF `generate` stops on the generation config's ids; instruct models often list several there
-    (Llama-3: <|end_of_text|>, <|eom_id|>, <|eot_id|>) while config.json names only one."""
-    ids = list(cfg.extra.get("eos_token_ids") or ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        try:
-            extra = json.loads(gen.read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"{gen}: not a valid generation config ({e})") from None
-        extra = [extra] if isinstance(extra, int) else extra or []
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
-            raise CheckpointError(f"{gen}: field 'eos_token_id' must be an integer or a list of integers, "
-                                  f"got {extra!r}")
-        ids += extra
-    return list(dict.fromkeys(ids))
-
-
-def generation_sampling(folder: Path) -> dict:
-    """The sampling settings a folder's generation_config.json sets (temperature, top_p, top_k; do_sample=false
-    is greedy), as vLLM applies them: only the keys present. {} without the file."""
+def generation_config(folder: Path) -> dict:
+    """A folder's generation_config.json as a dict; {} without the file."""
     gen = Path(folder) / "generation_config.json"
     if not gen.is_file():
         return {}
@@ -346,17 +326,40 @@ def generation_sampling(folder: Path) -> dict:
         assert isinstance(raw, dict), "expected a JSON object"
     except (OSError, ValueError, AssertionError) as e:
         raise CheckpointError(f"{gen}: not a valid generation config ({e})") from None
+    return raw
+
+
+def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
+    """Every EOS id config.json and generation_config.json name (an int or a list in either), in that order.
+
+    HF `generate` stops on the generation config's ids; instruct models often list several there
+    (Llama-3: <|end_of_text|>, <|eom_id|>, <|eot_id|>) while config.json names only one."""
+    ids = list(cfg.extra.get("eos_token_ids") or ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
+    extra = generation_config(folder).get("eos_token_id")
+    extra = [extra] if isinstance(extra, int) else extra or []
+    if not all(map(is_int, extra)):
+        raise CheckpointError(f"{folder / 'generation_config.json'}: field 'eos_token_id' must be an integer or a "
+                              f"list of integers, got {extra!r}")
+    return list(dict.fromkeys(ids + extra))
+
+
+def generation_sampling(folder: Path) -> dict:
+    """The sampling settings a folder's generation_config.json sets (temperature, top_p, top_k; do_sample=false
+    is greedy), as vLLM applies them: only the keys present. {} without the file."""
+    raw = generation_config(folder)
     if raw.get("do_sample") is False:
         return {"temperature": 0.0}
     out = {}
-    for key, lo, hi in (("temperature", 0.0, None), ("top_p", 1e-9, 1.0), ("top_k", None, None)):
+    for key in ("temperature", "top_p", "top_k"):
         v = raw.get(key)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (lo is not None and v < lo) or \
-                (hi is not None and v > hi):
-            raise CheckpointError(f"{gen}: field '{key}' is {v!r}, not a usable {key}")
-        out[key] = max(int(v), 0) if key == "top_k" else float(v)  # top_k -1 (vLLM) or 0: off
+        if key == "top_k" and is_int(v) and v < 0:
+            v = 0  # vLLM's -1: off
+        if sampling_problem(key, v):
+            raise CheckpointError(f"{Path(folder) / 'generation_config.json'}: field '{key}' is {v!r}, not a usable "
+                                  f"{key} (it {sampling_problem(key, v)})")
+        out[key] = v if key == "top_k" else float(v)
     return out
 
 
