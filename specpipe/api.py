@@ -33,31 +33,44 @@ class StreamEvent:
 
 
 class _Deltas:
-    """Turns requests' growing outputs into StreamEvents; text is held back while it ends in a partial
-    UTF-8 character (decoded as U+FFFD) so every event's text is final."""
+    """Turns requests' growing outputs into StreamEvents with text decoded incrementally: each event decodes
+    only a window from the last emitted character boundary (vLLM/TGI's prefix/read offsets), so streaming a
+    long output costs O(new tokens) per event, not O(output). Text is held back while the window ends in a
+    partial UTF-8 character or byte-fallback token (decoded as U+FFFD), so every event's text is final; the
+    last event reconciles with a full decode so the deltas always add up to the completion's text."""
 
     def __init__(self, decode, sink):
         self.decode, self.sink = decode, sink
-        self.ids_sent: dict[int, int] = {}
-        self.text_sent: dict[int, str] = {}
+        self.state: dict[int, list] = {}  # index -> [ids sent, prefix offset, read offset, text parts]
         self.closed: set[int] = set()
 
     def __call__(self, reqs) -> None:
         for r in reqs:
             if r.index in self.closed:
                 continue
-            n = self.ids_sent.get(r.index, 0)
-            if len(r.output_ids) == n and not r.finished:
+            st = self.state.setdefault(r.index, [0, 0, 0, []])
+            ids, n = r.output_ids, st[0]
+            if len(ids) == n and not r.finished:
                 continue
-            text = self.decode(r.output_ids)
-            if not r.finished:
-                text = text.rstrip("\ufffd")
-            old = self.text_sent.get(r.index, "")
-            delta = text[len(old):] if text.startswith(old) else text
-            self.ids_sent[r.index], self.text_sent[r.index] = len(r.output_ids), text
             if r.finished:
                 self.closed.add(r.index)
-            self.sink(StreamEvent(r.index, list(r.output_ids[n:]), delta, r.finish_reason, r.error))
+                self.state.pop(r.index)
+                sent, text = "".join(st[3]), self.decode(ids)
+                delta = text[len(sent):] if text.startswith(sent) else text
+            else:
+                delta = self._advance(st, ids)
+            st[0] = len(ids)
+            self.sink(StreamEvent(r.index, list(ids[n:]), delta, r.finish_reason, r.error))
+
+    def _advance(self, st: list, ids) -> str:
+        prefix, read = st[1], st[2]
+        before = self.decode(ids[prefix:read]) if read > prefix else ""
+        after = self.decode(ids[prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        st[1], st[2] = read, len(ids)
+        st[3].append(after[len(before):])
+        return st[3][-1]
 
 
 class _Cancelled(Exception):

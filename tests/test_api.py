@@ -97,3 +97,57 @@ def test_per_call_sampling():
         sp.generate(PROMPTS, temperature=-1)
     with pytest.raises(SpecpipeError, match="invalid sampling argument"):
         sp.generate(PROMPTS, top_k="many")
+
+
+def _feed(decode, outputs: list[list[int]]):
+    """Drive _Deltas with one request whose output grows through `outputs` (the last one finishes it)."""
+    from types import SimpleNamespace
+
+    from specpipe.api import _Deltas
+
+    events = []
+    deltas = _Deltas(decode, events.append)
+    for k, ids in enumerate(outputs):
+        done = k == len(outputs) - 1
+        deltas([SimpleNamespace(index=0, output_ids=ids, finished=done, finish_reason="length" if done else None,
+                                error=None)])
+    return events
+
+
+def test_stream_text_is_decoded_incrementally_and_waits_for_whole_characters():
+    from specpipe.tokenizer import ByteTokenizer
+
+    tok, decoded = ByteTokenizer(), []
+
+    def decode(ids):
+        decoded.append(len(ids))
+        return tok.decode(ids)
+
+    text = "naïve café — 日本語 🙂 " * 40
+    ids = tok.encode(text)
+    events = _feed(decode, [ids[:n] for n in range(1, len(ids) + 1)])
+    assert "".join(e.text for e in events) == text
+    assert all("\ufffd" not in e.text for e in events)  # a split character is held back, never sent broken
+    assert text.startswith("".join(e.text for e in events[:-1]))  # final before the closing reconciliation
+    # Each step decodes a window since the last character boundary, not the whole output: O(n) in all.
+    assert sum(decoded[:-1]) < 8 * len(ids) and max(decoded[:-1]) <= 8
+    assert [e.text for e in events[:4]] == ["n", "a", "", "ï"]
+
+
+def test_stream_keeps_the_spaces_a_metaspace_tokenizer_decodes(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from specpipe.tokenizer import HFTokenizer
+
+    words = ["▁the", "▁cat", "▁sat", "▁on", "▁mat", "s", "."]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[unk]"] + words)}, unk_token="[unk]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path / "tokenizer.json")
+    ids = [1, 2, 3, 4, 1, 5, 6, 7, 2, 3] * 5
+    events = _feed(hf.decode, [ids[:n] for n in range(1, len(ids) + 1)])
+    full = hf.decode(ids)
+    assert full.startswith("the cat sat on the mats. cat")
+    assert "".join(e.text for e in events[:-1]) == hf.decode(ids[:-1])  # windows keep the word spaces
+    assert "".join(e.text for e in events) == full
