@@ -67,12 +67,15 @@ class ChatTemplate:
             raise ChatTemplateError(f"{origin}: not a valid Jinja template ({e})") from None
         self.source = source
         self.origin = origin
+        self.takes_content_parts = _iterates_over_content(env, source)
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages`, ending with the assistant's turn opener."""
         import jinja2
 
+        if not self.takes_content_parts:
+            messages = [_joined_text(m) for m in messages]
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          tools=None, documents=None, **self.special_tokens)
@@ -80,6 +83,30 @@ class ChatTemplate:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             raise ChatTemplateError(f"{self.origin} failed on these messages ({type(e).__name__}: {e})") from None
+
+
+def _iterates_over_content(env, source: str) -> bool:
+    """Whether the template loops over a message's content (`for part in message['content']`): it then takes
+    OpenAI content-part lists as they are; other templates expect a string, as vLLM detects it."""
+    from jinja2 import nodes
+
+    for loop in env.parse(source).find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter) and it.node is not None:  # for p in m.content | selectattr(...)
+            it = it.node
+        if isinstance(it, nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
+            return True
+    return False
+
+
+def _joined_text(message: dict) -> dict:
+    """A message whose content is a list of text parts, as one string (parts joined by newlines, as vLLM does)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
@@ -114,12 +141,24 @@ def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
 
 
 def check_messages(messages: Any) -> Optional[str]:
-    """Why `messages` is not an OpenAI-style chat (a list of {"role": str, "content": str}), or None."""
+    """Why `messages` is not an OpenAI-style chat, or None. A message is {"role": str, "content": ...} where
+    content is a string, a list of text parts ({"type": "text", "text": str}) or null (an assistant turn
+    that only calls tools); other keys (name, tool_calls, ...) go to the template as they are."""
     if not isinstance(messages, list) or not messages:
         return '"messages" must be a non-empty list of {"role": ..., "content": ...} objects'
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             return f'"messages"[{i}] must be an object with a string "role"'
-        if not isinstance(m.get("content"), str):
-            return f'"messages"[{i}]["content"] must be a string'
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            return (f'"messages"[{i}]["content"] must be a string, a list of text parts '
+                    f'([{{"type": "text", "text": ...}}]) or null, got {type(content).__name__}')
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                what = f"a part of type {kind!r}" if isinstance(kind, str) else repr(part)[:60]
+                return (f'"messages"[{i}]["content"][{j}] is {what}; this text-only pipeline takes '
+                        f'{{"type": "text", "text": "..."}} parts')
     return None

@@ -116,7 +116,8 @@ def test_bad_chats_fail_only_their_request(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     items = read_prompts_file(str(path))
-    assert "non-empty list" in items[2]["error"] and '"messages"[0]["content"] must be a string' in items[3]["error"]
+    assert "non-empty list" in items[2]["error"]
+    assert """"messages"[0]["content"][0] is 'parts'; this text-only pipeline takes""" in items[3]["error"]
     assert items[5]["seed"] == 5
     tok = ours(folder)
     reqs = make_requests(items, tok, 8, 4096, tok.vocab_size)
@@ -142,3 +143,40 @@ def test_a_broken_template_fails_messages_but_not_plain_prompts(tmp_path):
     reqs = make_requests([{"prompt": "", "messages": CHATS[0]}, {"prompt": "hi"}], tok, 4, 4096, 300)
     assert "tokenizer_config.json field 'chat_template': not a valid Jinja template" in reqs[0].error
     assert reqs[1].finish_reason is None
+
+
+PARTS = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+         {"role": "user", "content": [{"type": "text", "text": "2+2?"}, {"type": "text", "text": "Show work."}]}]
+# A multimodal-style template: it loops over content parts itself
+PARTS_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|end|>{% if m.content is string %}{{ m.content }}"
+                  "{% else %}{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}[{{ p.text }}]"
+                  "{% endfor %}{% endif %}<|eot|>{% endfor %}<|start|>assistant<|end|>")
+
+
+def test_openai_content_parts(tmp_path):
+    """Text parts reach a template that loops over them unchanged (as transformers passes them); a template
+    that expects strings gets the parts joined by newlines (vLLM's "string" content format)."""
+    transformers = pytest.importorskip("transformers")
+    looping = ours(model_folder(tmp_path / "a", PARTS_TEMPLATE))
+    assert looping.chat_template.takes_content_parts
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "a" / "tok" / "tokenizer.json"),
+                                              bos_token="<|bos|>", eos_token="<|eot|>", chat_template=PARTS_TEMPLATE)
+    text, _ = encode_chat(looping, PARTS)
+    assert text == hf.apply_chat_template(PARTS, tokenize=False, add_generation_prompt=True)
+    assert "[2+2?][Show work.]" in text
+
+    strings = ours(model_folder(tmp_path / "b", QWEN))
+    assert not strings.chat_template.takes_content_parts
+    joined = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?\nShow work."}]
+    assert encode_chat(strings, PARTS) == encode_chat(strings, joined)
+    assert PARTS[1]["content"][0] == {"type": "text", "text": "2+2?"}  # the caller's messages are not changed
+
+    path = tmp_path / "p.jsonl"
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
+    lines = [{"messages": PARTS}, {"messages": bad}, {"messages": [{"role": "user", "content": 5}]},
+             {"messages": PARTS[:1] + [{"role": "assistant", "content": None, "tool_calls": []}]}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    items = read_prompts_file(str(path))
+    assert "error" not in items[0] and "error" not in items[3]
+    assert """"messages"[0]["content"][0] is a part of type 'image_url'""" in items[1]["error"]
+    assert "must be a string, a list of text parts" in items[2]["error"] and "got int" in items[2]["error"]
