@@ -72,11 +72,14 @@ def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None) -
     return v
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "dynamic", "llama3", "linear", "yarn")
 
 
 def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling) from v4 fields (rope_theta, rope_scaling) or v5 `rope_parameters`.
+
+    Dynamic NTK scaling (transformers recomputes the frequencies once a sequence passes
+    max_position_embeddings) is the default RoPE up to that length, the most specpipe lets a request use.
 
     llama3 and yarn take original_max_position_embeddings from the top level of config.json, else from
     max_position_embeddings, when the RoPE dict does not name it (as transformers does)."""
@@ -96,8 +99,8 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
         raise CheckpointError(f"{file}: field '{key}.factor' {what} (required for rope_type {kind!r})")
     if float(raw.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))) != 1.0:
         raise CheckpointError(f"{file}: field 'partial_rotary_factor' must be 1.0 (partial RoPE is not supported)")
-    if kind == "default":
-        return theta, None
+    if kind in ("default", "dynamic"):  # dynamic NTK only rescales beyond max_position_embeddings, which
+        return theta, None               # requests may not pass (make_requests): it is the default RoPE here
     scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
     if kind in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
         scaling["original_max_position_embeddings"] = _int_field(
@@ -133,8 +136,8 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
                               f"transformers (from_pretrained, then save_pretrained) first")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise CheckpointError(f"{file}: field 'hidden_act' is {raw['hidden_act']!r} (only silu is supported)")
-    if raw.get("mlp_bias"):
-        raise CheckpointError(f"{file}: field 'mlp_bias' is true, which specpipe's Llama MLP does not support")
+    if raw.get("mlp_bias") and family != "llama":
+        raise CheckpointError(f"{file}: field 'mlp_bias' is true, which {family} models do not have (Llama's only)")
     # Qwen2: q/k/v biases always, no o_proj bias; Llama and Qwen3: attention_bias puts a bias on all four
     qkv_bias = family == "qwen2" or (family in ("llama", "qwen3") and bool(raw.get("attention_bias")))
     o_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias"))
@@ -154,7 +157,7 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
-        o_proj_bias=o_bias, qk_norm=family == "qwen3",
+        o_proj_bias=o_bias, qk_norm=family == "qwen3", mlp_bias=bool(raw.get("mlp_bias")),
         sliding_window=window, layer_types=types, bos_token_id=raw.get("bos_token_id"), eos_token_id=eos,
         extra=extra)
 

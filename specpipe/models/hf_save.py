@@ -65,6 +65,10 @@ def config_to_hf(cfg: LlamaConfig, architecture: Optional[str] = None) -> dict:
         raise ValueError(f"{arch} has no attention bias; save this model as LlamaForCausalLM or Qwen2ForCausalLM")
     if cfg.attention_bias and arch == "LlamaForCausalLM":
         out["attention_bias"] = True
+    if cfg.mlp_bias:
+        if arch != "LlamaForCausalLM":
+            raise ValueError(f"{arch} has no MLP biases; save this model as LlamaForCausalLM")
+        out["mlp_bias"] = True
     if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.sliding_window is not None:
         if arch != "MistralForCausalLM" or cfg.layer_types is not None:
             raise ValueError(f"{arch} cannot express this sliding-window layout (per-layer windows need Qwen2)")

@@ -39,6 +39,7 @@ class LlamaConfig:
     attention_bias: bool = False  # q/k/v biases (Qwen2; Llama and Qwen3 with attention_bias)
     o_proj_bias: bool = False  # o_proj bias too (Llama and Qwen3 with attention_bias; not Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on every q and k head before RoPE (Qwen3)
+    mlp_bias: bool = False  # biases on gate, up and down projections (Llama's mlp_bias)
     sliding_window: Optional[int] = None
     layer_types: Optional[list] = None  # per layer "full_attention" | "sliding_attention"
     sparse_top_k: Optional[int] = None  # top-k sparse attention in the target (None: dense)
@@ -123,9 +124,10 @@ def rope_attention_scale(cfg: LlamaConfig) -> float:
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
         self.gate_up_proj: Optional[nn.Linear] = None  # set by fuse()
 

@@ -28,6 +28,9 @@ VARIANTS = {  # name -> (config class, model class, extra config fields)
     "llama_bias_yarn": ("LlamaConfig", "LlamaForCausalLM",
                         dict(attention_bias=True, rope_scaling={**YARN_ROPE, "beta_fast": 16, "beta_slow": 2,
                                                                 "mscale": 0.8, "mscale_all_dim": 0.5})),
+    # Llama's mlp_bias (gate, up and down biases); dynamic NTK RoPE, the default one within the context
+    "llama_mlpbias_dynamic": ("LlamaConfig", "LlamaForCausalLM",
+                              dict(mlp_bias=True, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
 }
 
 

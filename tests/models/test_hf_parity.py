@@ -15,7 +15,8 @@ T = 20  # sequence length; longer than the Mistral (5) and Qwen2 (6) sliding win
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3_tied", "mistral_window", "qwen2_window", "qwen3_yarn_tied",
-                                        "qwen3_bias_window", "llama_bias_yarn"])
+                                        "qwen3_bias_window", "llama_bias_yarn",
+                                        "llama_mlpbias_dynamic"])
 def checkpoint(request, make_hf_model, tmp_path_factory):
     """(folder, ids [2, T], reference logits [2, T, V]) of a saved random transformers model."""
     model = make_hf_model(request.param)
@@ -120,10 +121,10 @@ def test_save_target_is_readable_by_transformers(transformers, tmp_path):
     assert (pair.target.logits(pair.target(ids)) - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("variant", ["qwen3_bias_window", "llama_bias_yarn"])
+@pytest.mark.parametrize("variant", ["qwen3_bias_window", "llama_bias_yarn", "llama_mlpbias_dynamic"])
 @torch.no_grad()
 def test_saved_qwen3_and_biased_llama_read_back_by_transformers(transformers, make_hf_model, tmp_path, variant):
-    """save_target writes q/k norms, o_proj biases and YaRN settings that transformers reads as it wrote them."""
+    """save_target writes q/k norms, o_proj and MLP biases and YaRN settings that transformers reads as it wrote them."""
     model = make_hf_model(variant, seed=8)
     model.save_pretrained(tmp_path / "orig")
     target = load_target(tmp_path / "orig")
