@@ -16,6 +16,7 @@ CLI's one-paragraph message.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
@@ -95,6 +96,10 @@ def prompt_item(p: Any, n: int) -> dict:
         return {"prompt": p}
     if isinstance(p, (list, tuple)):
         p = {"prompt_ids": list(p)}
+    if not isinstance(p, dict):
+        hint = " (token ids go in a list of their own: [[1, 2, 3]])" if isinstance(p, int) else ""
+        return {"error": f"prompt {n}: is {type(p).__name__} {str(p)[:40]!r}; a prompt is a string, a list of "
+                         f"token ids, or a dict with \"prompt\", \"prompt_ids\" or \"messages\"{hint}", "prompt": ""}
     return parse_prompt_line(p, f"prompt {n}")
 
 
@@ -138,6 +143,12 @@ class SpecPipe:
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            try:
+                prompts = list(prompts)  # a generator, a dataset column
+            except TypeError:
+                raise SpecpipeError(f"specpipe: prompts must be a prompt (a string or a chat dict) or a list of "
+                                    f"them, got {type(prompts).__name__} {str(prompts)[:40]!r}") from None
         if not prompts:
             raise SpecpipeError("specpipe: generate() needs at least one prompt")
         cfg = self.cfg
@@ -156,6 +167,8 @@ class SpecPipe:
             except Exception as e:  # a type OmegaConf cannot convert: the same words as the CLI's
                 raise SpecpipeError(f"specpipe: invalid sampling argument {sampling}: {str(e).splitlines()[0]}") \
                     from None
+        if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+            raise SpecpipeError(f"specpipe: out_dir={str(out_dir)!r} is a file, not a folder")
         items = [prompt_item(p, n) for n, p in enumerate(prompts)]
         if stop is not None:
             why = check_stop(stop)

@@ -240,6 +240,40 @@ def model_sampling(cfg: DictConfig, pair) -> tuple[DictConfig, str]:
     return OmegaConf.merge(cfg, {"sampling": found}), str(Path(source) / "generation_config.json")
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` (or what it wraps: hydra wraps errors raised while building) is an allocation failure."""
+    while e is not None:
+        if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+                isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def allocation_size(e: BaseException) -> str:
+    """'an allocation of 745.1 GiB failed', from torch's out-of-memory message where it says the size."""
+    import re
+
+    while e is not None:
+        m = re.search(r"allocate (\d+) bytes|Tried to allocate ([\d.]+ [KMGT]iB)", str(e))
+        if m:
+            return f"an allocation of {int(m[1]) / 2 ** 30:.1f} GiB failed" if m[1] else f"{m[2]} more was needed"
+        e = e.__cause__ or e.__context__
+    return "an allocation failed"
+
+
+def check_topk(cfg: DictConfig, pair) -> None:
+    """Model drafters pick draft.topk tokens of the draft's vocabulary per expansion: no more than it has."""
+    d = cfg.draft
+    if d.method not in ("eagle", "standalone"):
+        return  # n-gram topk counts matches, not vocabulary entries
+    model = pair.draft if d.method == "eagle" else getattr(pair, "standalone", None)
+    vocab = getattr(model, "draft_vocab_size", None) or pair.target.config.vocab_size
+    if d.topk > vocab:
+        raise ConfigError(f"draft.topk={d.topk} is larger than the draft's vocabulary of {vocab} tokens; use "
+                          f"draft.topk<={vocab} (4 to 10 is typical)")
+
+
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
         items: Optional[list[dict]] = None, on_step=None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
@@ -259,17 +293,27 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                                              or getattr(pair, "standalone_source", None) != cfg.draft.path):
         load_standalone(cfg, pair, dtype, device)
         pair.standalone_source = cfg.draft.path
+    check_topk(cfg, pair)
     cfg, sampling_source = model_sampling(cfg, pair)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
                          sampling=(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k))
-    allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
-    pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
-    if pair.draft is not None:
-        pair.draft.setup_kv(allocator.pool_slots)
-    if getattr(pair, "standalone", None) is not None:
-        pair.standalone.setup_kv(allocator.pool_slots)
+    try:
+        allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
+        pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
+        if pair.draft is not None:
+            pair.draft.setup_kv(allocator.pool_slots)
+        if getattr(pair, "standalone", None) is not None:
+            pair.standalone.setup_kv(allocator.pool_slots)
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        size = f"allocator.num_slots={cfg.allocator.num_slots}" if cfg.allocator.num_slots is not None else \
+            f"the {workload_slots(cfg, reqs)} KV slots this workload needs"
+        raise ConfigError(f"{size}: the KV cache does not fit in {device.torch_device} memory ({allocation_size(e)}); "
+                          f"use a smaller allocator.num_slots (null sizes it for the workload), fewer "
+                          f"workload.batch_size or workload.max_new_tokens") from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else cfg.seed
     for r, it in zip(reqs, items):
         r.seed = request_seed(base_seed, r.index, it.get("seed"))

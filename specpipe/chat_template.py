@@ -157,7 +157,9 @@ def check_messages(messages: Any) -> Optional[str]:
                     f'([{{"type": "text", "text": ...}}]) or null, got {type(content).__name__}')
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind == "text" and not isinstance(part.get("text"), str):
+                return f'"messages"[{i}]["content"][{j}] is a text part without a string "text" field'
+            if kind != "text":
                 what = f"a part of type {kind!r}" if isinstance(kind, str) else repr(part)[:60]
                 return (f'"messages"[{i}]["content"][{j}] is {what}; this text-only pipeline takes '
                         f'{{"type": "text", "text": "..."}} parts')

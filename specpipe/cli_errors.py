@@ -181,6 +181,11 @@ def precheck(argv: list[str]) -> Optional[str]:
     overrides, multirun, skip = split_args(argv)
     if skip:
         return None
+    for o in overrides:  # Hydra would fail creating the output folder, with a traceback
+        key, _, value = o.lstrip("+").partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and value and Path(value).exists() and not Path(value).is_dir():
+            return (f"specpipe: invalid configuration: {key}={value!r} is a file, not a folder; outputs need a "
+                    f"folder (a new or existing one)")
     own = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
         combos = expand(own) if multirun else [own]
@@ -199,4 +204,6 @@ def precheck(argv: list[str]) -> Optional[str]:
                 validate(cfg)
             except ConfigError as e:
                 return str(e)
+            except Exception as e:  # an override the rules did not foresee: still no traceback
+                return reword(e, combo)
     return None

@@ -14,6 +14,10 @@ from specpipe.stop_strings import check_stop, unescape
 from specpipe.workload import PROMPT_SETS
 
 DRAFT_METHODS = ("eagle", "none", "ngram", "standalone")
+DRAFT_GROUPS = "eagle, ngram, suffix, standalone, none"  # conf/draft options (suffix is method ngram)
+MAX_TOPK = 1024  # candidates per expansion; far above any useful tree (EAGLE uses 4-10)
+MAX_STEPS = 128  # draft depth: deeper than any chain that gets accepted, small enough to allocate
+MAX_SEED = 2 ** 63 - 1  # torch's generator seeds are 64-bit
 DEVICE_MODES = {  # device target -> its entry in compile_policy.DEVICE_SUPPORT (what it can run); imports no backend
     "specpipe.devices.cpu.CpuDevice": "cpu",
     "specpipe.devices.cuda.CudaDevice": "cuda",
@@ -34,7 +38,15 @@ def _targets(node, where: str, errors: list) -> None:
 
 def _draft(d, errors: list) -> None:
     if d.method not in DRAFT_METHODS:
-        errors.append(f"draft.method={d.method!r} is unknown (valid: {', '.join(DRAFT_METHODS)})")
+        errors.append(f"draft.method={d.method!r} is unknown (valid: {', '.join(DRAFT_METHODS)}; choose a drafter "
+                      f"with its config group instead: draft={{{DRAFT_GROUPS.replace(', ', ',')}}})")
+        return
+    schema = OmegaConf.get_type(d)
+    own = getattr(schema, "method", d.method) if schema is not None else d.method
+    if d.method != own:  # e.g. draft.method=ngram on the eagle group: ngram's settings would be missing
+        errors.append(f"draft.method={d.method!r} does not match the chosen drafter ({own}): choose a drafter with "
+                      f"its config group, draft={d.method} (valid: "
+                      f"{DRAFT_GROUPS}), and leave draft.method alone")
         return
     if d.method == "ngram" and not 1 <= d.min_n <= d.max_n <= 255:
         errors.append(f"draft.min_n={d.min_n}, draft.max_n={d.max_n}: need 1 <= min_n <= max_n <= 255")
@@ -44,12 +56,15 @@ def _draft(d, errors: list) -> None:
     if d.method == "ngram" and d.get("running_tokens", 0) < 0:
         errors.append(f"draft.running_tokens={d.running_tokens} must be >= 0 (0: requests decoded together do not "
                       "draft from one another; e.g. 4096 shares up to that many of their newest tokens)")
-    for key in ("topk", "num_steps"):
-        if d[key] < 1:
-            errors.append(f"draft.{key}={d[key]} must be >= 1")
-    if d.num_draft_tokens < 2:
-        errors.append(f"draft.num_draft_tokens={d.num_draft_tokens} must be >= 2 (the root plus at least one draft)")
-    if min(d.topk, d.num_steps) < 1 or d.num_draft_tokens < 2 or d.method == "none":
+    bounds = {"topk": MAX_TOPK, "num_steps": MAX_STEPS}
+    for key, most in bounds.items():
+        if not 1 <= d[key] <= most:
+            errors.append(f"draft.{key}={d[key]} must be between 1 and {most}")
+    if not 2 <= d.num_draft_tokens <= MAX_TOPK:
+        errors.append(f"draft.num_draft_tokens={d.num_draft_tokens} must be between 2 (the root plus at least one "
+                      f"draft) and {MAX_TOPK}")
+    if (not all(1 <= d[k] <= m for k, m in bounds.items()) or not 2 <= d.num_draft_tokens <= MAX_TOPK
+            or d.method == "none"):
         return
     K, S, N = d.topk, d.num_steps, d.num_draft_tokens
     most = K + (S - 1) * K * K
@@ -82,8 +97,30 @@ def _compile(cfg, errors: list) -> None:
         errors.append(f"{problem}; set by {', '.join(keys)}")
 
 
+def _unknown_keys(cfg: DictConfig, errors: list) -> None:
+    """Keys the schemas do not have (`+draft.topkk=2`, `+foo=1`): Hydra keeps them, nothing would read them."""
+    import dataclasses
+
+    def check(node, where: str) -> None:
+        schema = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(schema):
+            return
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        for k in node.keys():
+            if k not in fields:
+                name = f"{where}.{k}" if where else str(k)
+                valid = ", ".join(f for f in fields if not f.startswith("_") and f != "hydra")
+                errors.append(f"{name} is not a setting{' of ' + where if where else ''}, so it would be ignored "
+                              f"(valid: {valid})")
+            elif isinstance(node.get(k), DictConfig):
+                check(node.get(k), f"{where}.{k}" if where else str(k))
+
+    check(cfg, "")
+
+
 def validate(cfg: DictConfig) -> None:
     errors: list[str] = []
+    _unknown_keys(cfg, errors)
     for key in sorted(OmegaConf.missing_keys(cfg)):
         if not key.startswith("hydra"):
             errors.append(f"{key} is required but not set (add {key}=VALUE to the command line)")
@@ -107,7 +144,10 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"workload.max_new_tokens={w.max_new_tokens} must be >= 1")
     if w.batch_size < 1:
         errors.append(f"workload.batch_size={w.batch_size} must be >= 1")
-    if w.get("stop") and check_stop(run_stop_strings(cfg)):
+    if w.get("stop") == "":
+        errors.append("workload.stop='' is empty: give a stop string (workload.stop='\\n\\n') or a list of them, "
+                      "or workload.stop=[] for none")
+    elif w.get("stop") and check_stop(run_stop_strings(cfg)):
         errors.append(f"workload.{check_stop(run_stop_strings(cfg))}")
     if w.num_prompts is not None and w.num_prompts < 1:
         errors.append(f"workload.num_prompts={w.num_prompts} must be >= 1 or null (all prompts)")
@@ -139,12 +179,19 @@ def validate(cfg: DictConfig) -> None:
                       f"{cfg.draft.num_steps + 1}")
     for key, hint in (("temperature", ""), ("top_p", " (1 keeps every token)"), ("top_k", " (0 keeps every token)")):
         v = cfg.sampling[key]
-        if not SAMPLING_RULES[key][1](v):  # the schema has typed it already
+        if v != v:
+            errors.append(f"sampling.{key}=nan is not a number (valid: {SAMPLING_RULES[key][2]}{hint})")
+        elif not SAMPLING_RULES[key][1](v):  # the schema has typed it already
             errors.append(f"sampling.{key}={v} must be {SAMPLING_RULES[key][2]}{hint}")
     if cfg.get("latency_limit_ms") is not None and cfg.latency_limit_ms <= 0:
         errors.append(f"latency_limit_ms={cfg.latency_limit_ms} must be > 0 (or null for no limit)")
-    if cfg.seed < 0:
-        errors.append(f"seed={cfg.seed} must be >= 0")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        errors.append(f"seed={cfg.seed} must be between 0 and 2**63-1")
+    if cfg.sampling.seed is not None and not 0 <= cfg.sampling.seed <= MAX_SEED:
+        errors.append(f"sampling.seed={cfg.sampling.seed} must be between 0 and 2**63-1 (or null: the top-level seed)")
+    if "host_to_device_ratio" in a and a.host_to_device_ratio < 1:
+        errors.append(f"allocator.host_to_device_ratio={a.host_to_device_ratio} must be >= 1 (host slots per "
+                      f"device slot; 1 keeps every token's KV on the device)")
     if errors:
         raise ConfigError(errors)
 

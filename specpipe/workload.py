@@ -61,8 +61,17 @@ def parse_prompt_line(obj, where) -> dict:
     if bad:
         return {"error": f'{n}: field "{bad[0]}" is not supported per prompt; {UNSUPPORTED_FIELDS[bad[0]]}',
                 "prompt": ""}
+    if not isinstance(obj, dict):
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+            type(obj), "null" if obj is None else type(obj).__name__)
+        return {"error": f'{n}: is {kind}; each prompt is a JSON object: {{"prompt": "..."}}, {{"prompt_ids": '
+                         f'[...]}} or {{"messages": [...]}}', "prompt": ""}
+    given = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
+    if len(given) > 1:
+        return {"error": f'{n}: has both {given[0]!r} and {given[1]!r}; give one of "prompt", "prompt_ids" and '
+                         f'"messages"', "prompt": ""}
     extra = {}  # what the request takes besides its prompt
-    d = obj if isinstance(obj, dict) else {}
+    d = obj
     if d.get("seed") is not None:
         if not is_int(d["seed"]):
             return {"error": f'{n}: "seed" must be an integer, got {d["seed"]!r}', "prompt": ""}

@@ -46,7 +46,7 @@ def test_bad_prompts_fail_alone_and_out_dir_gets_the_files(tmp_path):
 
 @pytest.mark.parametrize("overrides,fragment", [
     (("allocator=foo",), "config group 'allocator' has no option 'foo'"),
-    (("draft.topk=0",), "draft.topk=0 must be >= 1"),
+    (("draft.topk=0",), "draft.topk=0 must be between 1 and 1024"),
     (("topk",), "overrides are 'key=value' strings"),
 ])
 def test_bad_overrides_raise_the_cli_message(overrides, fragment):
@@ -151,3 +151,17 @@ def test_stream_keeps_the_spaces_a_metaspace_tokenizer_decodes(tmp_path):
     assert full.startswith("the cat sat on the mats. cat")
     assert "".join(e.text for e in events[:-1]) == hf.decode(ids[:-1])  # windows keep the word spaces
     assert "".join(e.text for e in events) == full
+
+
+def test_prompts_of_the_wrong_type(tmp_path):
+    sp = SpecPipe(*BASE)
+    with pytest.raises(SpecpipeError, match="prompts must be a prompt .* or a list of them, got int '5'"):
+        sp.generate(5)
+    got = sp.generate([104, None, "ok", {"prompt": "a", "prompt_ids": [1]}], max_new_tokens=2)
+    assert "prompt 0: is int '104'" in got[0].error and "[[1, 2, 3]]" in got[0].error
+    assert "prompt 1: is NoneType" in got[1].error and got[2].error is None
+    assert "has both 'prompt' and 'prompt_ids'" in got[3].error
+    assert [c.output_ids for c in sp.generate((p for p in ["ok"]), max_new_tokens=2)] == [got[2].output_ids]
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SpecpipeError, match="out_dir=.* is a file, not a folder"):
+        sp.generate(["ok"], out_dir=str(tmp_path / "f"))

@@ -25,9 +25,15 @@ CASES = [
     (["draft.topk=abc"], "draft.topk", True),
     (["workload.batch_size=1.5"], "workload.batch_size", True),
     (["allocator.debug=maybe"], "allocator.debug", True),
-    (["draft.topk=0"], "draft.topk=0 must be >= 1", True),
-    (["draft.num_steps=0"], "draft.num_steps=0 must be >= 1", True),
-    (["draft.num_draft_tokens=1"], "must be >= 2", True),
+    (["draft.topk=0"], "draft.topk=0 must be between 1 and 1024", True),
+    (["draft.num_steps=0"], "draft.num_steps=0 must be between 1 and 128", True),
+    (["draft.num_steps=100000"], "draft.num_steps=100000 must be between 1 and 128", True),
+    (["draft.topk=99999999999999999999"], "draft.topk=99999999999999999999 must be between 1 and 1024", True),
+    (["draft.num_draft_tokens=1"], "must be between 2", True),
+    (["draft.method=ngram"], "draft.method='ngram' does not match the chosen drafter (eagle)", True),
+    (["draft=ngram", "draft.method=eagle"], "draft.method='eagle' does not match the chosen drafter (ngram)", True),
+    (["+draft.topkk=2"], "draft.topkk is not a setting of draft, so it would be ignored", True),
+    (["+foo=3"], "foo is not a setting, so it would be ignored", True),
     (["draft.topk=2", "draft.num_steps=2", "draft.num_draft_tokens=20"], "num_draft_tokens=20 is too large", True),
     (["draft.topk=1", "draft.num_steps=3", "draft.num_draft_tokens=6"], "must be <= num_steps+1", True),
     (["allocator=paged", "allocator.page_size=3"], "page_size=3 must be a power of two", True),
@@ -43,6 +49,11 @@ CASES = [
     (["sampling.temperature=-1"], "sampling.temperature=-1.0 must be >= 0", True),
     (["sampling.top_p=0"], "sampling.top_p=0.0 must be in (0, 1]", True),
     (["sampling.top_k=-3"], "sampling.top_k=-3 must be >= 0", True),
+    (["sampling.temperature=inf"], "sampling.temperature=inf must be >= 0 and finite", True),
+    (["sampling.seed=-3"], "sampling.seed=-3 must be between 0 and 2**63-1", True),
+    (["workload.stop="], "workload.stop='' is empty", True),
+    (["allocator=hisparse", "allocator.host_to_device_ratio=0"], "allocator.host_to_device_ratio=0 must be >= 1",
+     True),
     (["draft=ngram", "draft.min_n=3", "draft.max_n=2"], "need 1 <= min_n <= max_n", True),
     (["draft=suffix", "draft.max_n=300"], "need 1 <= min_n <= max_n <= 255", True),
     (["draft=suffix", "draft.cache_tokens=-5"], "draft.cache_tokens=-5 must be >= 0", True),
@@ -51,7 +62,8 @@ CASES = [
     (["device.dtype=float8"], "device.dtype='float8' is unknown", True),
     (["device.num_threads=0"], "device.num_threads=0 must be >= 1", True),
     (["device.weight_layout=diagonal"], "device.weight_layout='diagonal' is not valid: use one of auto, row, column", True),
-    (["seed=-1"], "seed=-1 must be >= 0", True),
+    (["seed=-1"], "seed=-1 must be between 0 and 2**63-1", True),
+    (["seed=99999999999999999999999"], "seed=99999999999999999999999 must be between 0 and 2**63-1", True),
     (["allocator._target_=os.system"], "only classes and functions inside the 'specpipe' package", True),
     (["model._target_=subprocess.call"], "refused", True),
     (["compile.draft_topk.later=jit"], "unknown mode 'jit'", True),
@@ -65,6 +77,10 @@ CASES = [
     (["device=cuda"], "device=cuda cannot be used", False),
     (["device=npu", "allocator=swa"], "device=npu cannot be used", False),
     (["allocator=swa"], "sliding-window layers", False),
+    (["draft.topk=300"], "draft.topk=300 is larger than the draft's vocabulary of 258 tokens", False),
+    (["model.hidden_size=7"], "model.hidden_size=7 must be a multiple of 2 * model.num_heads = 8", False),
+    (["model.num_layers=0", "model.sliding_window=0"], "model.num_layers=0 must be >= 1", False),
+    (["allocator.num_slots=1000000000000000"], "the KV cache does not fit in cpu memory (an allocation of", False),
     (["draft=standalone", "model=hf", "model.path=/nonexistent/model"], "/nonexistent/model", False),
 ]
 
@@ -95,6 +111,14 @@ def test_every_case_exits_2_without_traceback(tmp_path):
         assert fragment in p.stderr, (overrides, p.stderr)
         assert "Traceback" not in out, (overrides, out[-800:])
         assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_an_output_folder_that_is_a_file_exits_2(tmp_path):
+    (tmp_path / "taken").write_text("x")
+    p = subprocess.run([sys.executable, "-m", "specpipe", *SMALL, f"hydra.run.dir={tmp_path}/taken"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "is a file, not a folder" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert (tmp_path / "taken").read_text() == "x"
 
 
 @pytest.mark.parametrize("content,fragment,early", [

@@ -174,9 +174,11 @@ def test_openai_content_parts(tmp_path):
     path = tmp_path / "p.jsonl"
     bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]
     lines = [{"messages": PARTS}, {"messages": bad}, {"messages": [{"role": "user", "content": 5}]},
-             {"messages": PARTS[:1] + [{"role": "assistant", "content": None, "tool_calls": []}]}]
+             {"messages": PARTS[:1] + [{"role": "assistant", "content": None, "tool_calls": []}]},
+             {"messages": [{"role": "user", "content": [{"type": "text"}]}]}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     items = read_prompts_file(str(path))
     assert "error" not in items[0] and "error" not in items[3]
     assert """"messages"[0]["content"][0] is a part of type 'image_url'""" in items[1]["error"]
     assert "must be a string, a list of text parts" in items[2]["error"] and "got int" in items[2]["error"]
+    assert """"messages"[0]["content"][0] is a text part without a string "text" field""" in items[4]["error"]

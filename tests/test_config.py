@@ -48,7 +48,7 @@ BAD = [
     (["workload.prompts_file=/does/not/exist.jsonl"], "is not a readable file"),
     (["model=hf"], "model.path is required"),
     (["device.dtype=float8"], "device.dtype='float8' is unknown"),
-    (["seed=-1"], "seed=-1 must be >= 0"),
+    (["seed=-1"], "seed=-1 must be between 0 and 2**63-1"),
 ]
 
 

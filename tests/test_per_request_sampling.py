@@ -53,7 +53,20 @@ def test_bad_per_prompt_sampling_fails_the_request(pair, tmp_path):
     cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
                   "workload.max_new_tokens=4")
     reqs = run(cfg, quiet=True, pair=pair)["requests"]
-    assert '"temperature" must be a number >= 0 (0 is greedy), got -1' in reqs[0].error
+    assert '"temperature" must be a number >= 0 and finite (0 is greedy), got -1' in reqs[0].error
     assert '"top_p" must be a number in (0, 1], got 0' in reqs[1].error
     assert '"top_k" must be an integer >= 0, got 2.5' in reqs[2].error
     assert "got 'hot'" in reqs[3].error and reqs[4].error is None
+
+
+def test_a_top_p_below_float32_resolution_keeps_the_most_likely_token():
+    """1e-300 is a valid top_p but rounds to 0 in float32: the nucleus still holds the top token (it was empty,
+    and the sampler then picked the last vocabulary id, the EOS, for every request)."""
+    import torch
+
+    from specpipe.stages.verify_sampling import process_logits
+
+    logits = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(0))
+    for top_p in (1e-300, 1e-46, 1e-10):
+        probs = process_logits(logits, torch.ones(3), torch.full((3,), top_p), torch.zeros(3, dtype=torch.long))
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())

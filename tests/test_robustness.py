@@ -192,3 +192,17 @@ def test_an_interrupted_run_keeps_every_finished_request(tmp_path, pair, monkeyp
     monkeypatch.setattr(SpecPipeline, "step", real_step)  # a finished run: only the ordered file remains
     run(cfg, out_dir=str(out), quiet=True, pair=pair)
     assert not (out / "completions.partial.jsonl").exists() and (out / "metrics.json").exists()
+
+
+def test_lines_that_are_not_one_prompt_object_say_what_they_are(tmp_path):
+    from specpipe.workload import read_prompts_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('[1, 2]\n"def f():"\n5\nnull\n{"prompt": "a", "messages": []}\n{"prompt": "ok"}\n')
+    items = read_prompts_file(str(path))
+    kinds = ["an array", "a string", "a number", "null"]
+    for n, (it, kind) in enumerate(zip(items, kinds), 1):
+        assert it["error"].startswith(f'line {n}: is {kind}; each prompt is a JSON object: {{"prompt": "..."}}')
+    assert items[4]["error"] == ("line 5: has both 'prompt' and 'messages'; give one of \"prompt\", \"prompt_ids\" "
+                                 "and \"messages\"")
+    assert items[5] == {"prompt": "ok"}

@@ -112,7 +112,7 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
 def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[int], Optional[list]]:
     """(sliding_window, layer_types) with Hugging Face's semantics for each family."""
     if family == "mistral":  # HF Mistral applies the window to every layer
-        return raw.get("sliding_window"), None
+        return (None if raw.get("sliding_window") is None else _int_field(raw, "sliding_window", file)), None
     if family not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
         return None, None
     first = raw.get("max_window_layers", 28)
@@ -143,6 +143,16 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
     o_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias"))
     layers = _int_field(raw, "num_hidden_layers", file, 1 if draft else None)
     heads = _int_field(raw, "num_attention_heads", file)
+    kv_heads = _int_field(raw, "num_key_value_heads", file, heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{file}: field 'num_key_value_heads' is {kv_heads}, which does not divide "
+                              f"num_attention_heads={heads} (grouped-query attention shares each KV head among "
+                              f"a whole number of query heads)")
+    hidden = _int_field(raw, "hidden_size", file)
+    head_dim = raw.get("head_dim") if raw.get("head_dim") is not None else hidden // heads
+    if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
+        raise CheckpointError(f"{file}: field 'head_dim' (or hidden_size / num_attention_heads) is {head_dim!r}; "
+                              f"RoPE needs a positive even head dimension")
     theta, scaling = _rope(raw, file)
     window, types = _window(raw, family, layers, file)
     eos = raw.get("eos_token_id")
@@ -150,10 +160,9 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
     if isinstance(eos, list):
         extra["eos_token_ids"], eos = eos, (eos[0] if eos else None)
     return LlamaConfig(
-        vocab_size=_int_field(raw, "vocab_size", file), hidden_size=_int_field(raw, "hidden_size", file),
-        num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=_int_field(raw, "num_key_value_heads", file, heads),
-        intermediate_size=_int_field(raw, "intermediate_size", file), head_dim=raw.get("head_dim"),
+        vocab_size=_int_field(raw, "vocab_size", file), hidden_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=_int_field(raw, "intermediate_size", file), head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,

@@ -21,6 +21,21 @@ def layer_pattern(sliding_layers: str, num_layers: int) -> Optional[list]:
     raise ConfigError(f"model.sliding_layers={sliding_layers!r} is unknown (valid: all, alternate)")
 
 
+def check_shape(**shape) -> None:
+    """A ConfigError naming every model.* value that cannot make a model (before torch fails obscurely)."""
+    errors = [f"model.{k}={v} must be >= 1" for k, v in shape.items() if v is not None and v < 1]
+    if shape["vocab_size"] >= 1 and shape["vocab_size"] < 2:
+        errors.append(f"model.vocab_size={shape['vocab_size']} must be >= 2 (a token and the EOS)")
+    heads, kv = shape["num_heads"], shape["num_kv_heads"]
+    if heads >= 1 and kv >= 1 and heads % kv:
+        errors.append(f"model.num_kv_heads={kv} must divide model.num_heads={heads}")
+    if heads >= 1 and shape["hidden_size"] >= 1 and (shape["hidden_size"] % heads or (shape["hidden_size"] // heads) % 2):
+        errors.append(f"model.hidden_size={shape['hidden_size']} must be a multiple of 2 * model.num_heads "
+                      f"= {2 * heads} (RoPE needs an even head dimension)")
+    if errors:
+        raise ConfigError(errors)
+
+
 def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                       num_kv_heads: int = 2, intermediate_size: int = 128, max_position: int = 2048,
                       tie_word_embeddings: bool = False, init_std: float = 0.5, seed: int = 0,
@@ -39,6 +54,9 @@ def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: 
     layer_types: even layers slide, odd layers are full) gives allocator=swa something to serve;
     `sparse_top_k` makes the target's attention top-k sparse (allocator=hisparse).
     """
+    check_shape(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, max_position=max_position,
+                sliding_window=sliding_window)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                       intermediate_size=intermediate_size, max_position_embeddings=max_position,

@@ -66,7 +66,8 @@ def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Te
     """logits [B,N,V], per-request temperature/top_p [B] float, top_k [B] int -> probs [B,N,V] float32.
 
     softmax(logits / T), keep the top_k most likely (top_k <= 0: all), renormalise, keep the
-    smallest prefix whose mass reaches top_p (top_p >= 1: all), renormalise. T <= 0 is greedy:
+    smallest prefix whose mass reaches top_p (top_p >= 1: all; never less than the most likely token, even
+    when a tiny top_p rounds to 0 in float32), renormalise. T <= 0 is greedy:
     a one-hot at the argmax (so greedy and sampled requests share one batch).
     """
     B, N, V = logits.shape
@@ -81,7 +82,7 @@ def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Te
     sp = torch.where(keep, sp, torch.zeros_like(sp))
     sp = sp / sp.sum(-1, keepdim=True)
     before = sp.cumsum(-1) - sp  # mass of strictly more likely tokens
-    keep = keep & (before < top_p.float()[:, None, None])
+    keep = keep & ((before < top_p.float()[:, None, None]) | (rank == 0))  # the most likely always stays
     sp = torch.where(keep, sp, torch.zeros_like(sp))
     out = torch.zeros_like(probs).scatter(-1, si, sp)
     out = out / out.sum(-1, keepdim=True)
