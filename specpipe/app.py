@@ -345,6 +345,9 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     sp = cfg.sampling
     summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
                            "source": sampling_source, "per_request": sum(r.sampling is not None for r in reqs)}
+    unapplied = pair.target.config.extra.get("unapplied_generation_settings")
+    if unapplied:
+        summary["unapplied_generation_settings"] = unapplied  # generation_config.json values HF applies, we don't
     summary["num_requests"] = len(reqs)
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]

@@ -11,6 +11,7 @@ and the field or tensor.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Optional
 
@@ -198,10 +199,12 @@ def weight_files(folder: str | Path) -> list[Path]:
     found = sorted(folder.glob("*.safetensors"))
     if found:
         return found
-    torch_index = folder / "pytorch_model.bin.index.json"
+    torch_single, torch_index = folder / "pytorch_model.bin", folder / "pytorch_model.bin.index.json"
+    if torch_single.is_file():
+        return [torch_single]
     if torch_index.is_file():
         return indexed_shards(folder, torch_index, "PyTorch")
-    found = sorted(p for p in folder.iterdir() if p.suffix in TORCH_SUFFIXES and p.is_file())
+    found = sorted(p for p in folder.iterdir() if p.suffix in TORCH_SUFFIXES and p.is_file() and not trainer_file(p))
     if found:
         return found
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -213,6 +216,12 @@ def weight_files(folder: str | Path) -> list[Path]:
             f"dict to model.safetensors (or save_pretrained with transformers) in an environment you trust")
     raise CheckpointError(f"{single}: file not found; {folder} holds no weights (expected model.safetensors, or "
                           f"model.safetensors.index.json with its shards)")
+
+
+def trainer_file(p: Path) -> bool:
+    """State a transformers Trainer saves next to the weights of a checkpoint-N folder (never weights)."""
+    return p.name in ("training_args.bin", "optimizer.pt", "scheduler.pt", "scaler.pt") or \
+        p.name.startswith("rng_state")
 
 
 def read_tensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, tuple[Path, str]]]:
@@ -243,7 +252,13 @@ def torch_state_dict(f: Path) -> list:
     try:
         sd = torch.load(str(f), map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError for anything but tensors and plain containers, or a broken file
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower():
+            why = "it holds Python objects besides tensors, which the weights-only loader refuses to build"
+        else:
+            import re
+
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+            why = text.splitlines()[0][:160] if text else type(e).__name__
         raise CheckpointError(f"{f}: cannot be read as a PyTorch state dict with torch.load(weights_only=True) "
                               f"({why}); give model.safetensors or a plain state dict of tensors") from None
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in sd.items()):
@@ -309,6 +324,10 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32",
     raw = read_config(folder)
     cfg = parse_config(raw, folder / "config.json")
     tensors, origin = read_tensors(weight_files(folder), to_dtype(dtype))
+    head, emb = tensors.get("lm_head.weight"), tensors.get("embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and emb is not None and not torch.equal(head, emb):
+        cfg.tie_word_embeddings = False  # a stored lm_head that differs is used, as transformers 5 does
+        cfg.extra["untied_lm_head"] = True
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     fields = {**raw, "head_dim": cfg.head_dim, "num_key_value_heads": cfg.num_key_value_heads}
@@ -342,17 +361,18 @@ def generation_config(folder: Path) -> dict:
 
 
 def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
-    """Every EOS id config.json and generation_config.json name (an int or a list in either), in that order.
+    """The ids that end a request: generation_config.json's `eos_token_id` (an int or a list) where it names
+    one, else config.json's, as HF `generate` takes them (it reads config.json only without the file).
 
-    HF `generate` stops on the generation config's ids; instruct models often list several there
-    (Llama-3: <|end_of_text|>, <|eom_id|>, <|eot_id|>) while config.json names only one."""
+    Instruct models often list several there (Llama-3: <|end_of_text|>, <|eom_id|>, <|eot_id|>) while
+    config.json names only one."""
     ids = list(cfg.extra.get("eos_token_ids") or ([cfg.eos_token_id] if cfg.eos_token_id is not None else []))
-    extra = generation_config(folder).get("eos_token_id")
-    extra = [extra] if isinstance(extra, int) else extra or []
-    if not all(map(is_int, extra)):
+    own = generation_config(folder).get("eos_token_id")
+    own = [own] if isinstance(own, int) else own or []
+    if not all(map(is_int, own)):
         raise CheckpointError(f"{folder / 'generation_config.json'}: field 'eos_token_id' must be an integer or a "
-                              f"list of integers, got {extra!r}")
-    return list(dict.fromkeys(ids + extra))
+                              f"list of integers, got {own!r}")
+    return list(dict.fromkeys(own or ids))
 
 
 def generation_sampling(folder: Path) -> dict:
@@ -373,6 +393,19 @@ def generation_sampling(folder: Path) -> dict:
                                   f"{key} (it {sampling_problem(key, v)})")
         out[key] = v if key == "top_k" else float(v)
     return out
+
+
+# generation_config.json settings HF generate applies (greedy too) that specpipe does not: key -> its neutral value
+UNAPPLIED_GENERATION = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                        "min_new_tokens": None, "min_length": 0, "bad_words_ids": None, "suppress_tokens": None,
+                        "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                        "sequence_bias": None, "num_beams": 1, "penalty_alpha": None}
+
+
+def unapplied_generation_settings(folder: Path) -> dict:
+    """The settings of a folder's generation_config.json that change HF's outputs and specpipe does not apply."""
+    raw = generation_config(folder)
+    return {k: raw[k] for k, neutral in UNAPPLIED_GENERATION.items() if raw.get(k) not in (None, neutral, [], {})}
 
 
 def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = None):
@@ -414,6 +447,14 @@ def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: st
     folder = Path(path)
     target = load_target(folder, dtype, device)
     tokenizer = load_tokenizer(folder, target.config)
+    unapplied = unapplied_generation_settings(folder)
+    if unapplied:  # say so once, where the weights load: outputs will differ from HF generate's
+        target.config.extra["unapplied_generation_settings"] = unapplied
+        import sys
+
+        print(f"specpipe: note: {folder / 'generation_config.json'} sets "
+              f"{', '.join(f'{k}={v!r}' for k, v in unapplied.items())}, which specpipe does not apply (HF generate "
+              f"does, greedy included), so outputs can differ from HF's", file=sys.stderr)
     draft = load_draft(draft_path, target, dtype, device) if draft_path is not None else None
     return ModelPair(target, draft, tokenizer, name=name or folder.name)
 

@@ -112,13 +112,28 @@ def test_pytorch_state_dicts_load_like_safetensors(saved, target_copy, tmp_path)
     (head / "model.safetensors").unlink()
     a, b = load_draft(head, want), load_draft(eagle_dir, want)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    # a Trainer's checkpoint-N folder: the weights next to its optimizer, scheduler, RNG and arguments files
+    trainer = shutil.copytree(target_copy, tmp_path / "checkpoint-500")
+    for f in trainer.glob("pytorch_model*"):
+        f.unlink()
+    torch.save(sd, trainer / "pytorch_model.bin")
+    torch.save({"state": {0: {"step": 3}}, "param_groups": []}, trainer / "optimizer.pt")
+    torch.save({"python": [1, 2]}, trainer / "rng_state.pth")
+    torch.save(_Payload(tmp_path / "pwned"), trainer / "training_args.bin")  # a pickled object, never opened
+    got = load_target(trainer)
+    assert torch.equal(got.logits(got(ids)), want.logits(want(ids))) and not (tmp_path / "pwned").exists()
+    (trainer / "pytorch_model.bin").rename(trainer / "weights.pt")  # any *.pt name: the trainer files still skipped
+    got = load_target(trainer)
+    assert torch.equal(got.logits(got(ids)), want.logits(want(ids)))
 
 
 def test_a_crafted_or_broken_pytorch_file_is_refused_without_running_code(target_copy, tmp_path):
     (target_copy / "model.safetensors").unlink()
     marker = tmp_path / "pwned"
     torch.save({"embed_tokens.weight": _Payload(marker)}, target_copy / "pytorch_model.bin")
-    _raises(lambda: load_target(target_copy), "pytorch_model.bin", "weights_only=True")
+    msg = _raises(lambda: load_target(target_copy), "pytorch_model.bin", "weights_only=True",
+                  "it holds Python objects besides tensors")
+    assert "\x1b[" not in msg and "two options" not in msg  # not torch's own advice to load it unsafely
     assert not marker.exists()  # the restricted unpickler never called Path.touch
     (target_copy / "pytorch_model.bin").write_bytes(b"not really a pickle")
     _raises(lambda: load_target(target_copy), "pytorch_model.bin", "cannot be read as a PyTorch state dict")
@@ -284,7 +299,8 @@ def test_prompts_get_the_special_tokens_transformers_adds(target_copy, edit_conf
     assert tok.encode("hi there") == [3, 1, 2]
 
 
-def test_every_eos_of_config_and_generation_config_stops(target_copy, edit_config):
+def test_the_eos_ids_hf_generate_stops_at(target_copy, edit_config):
+    """generation_config.json's ids where it names some (HF generate reads only them then), else config.json's."""
     import json
 
     from specpipe.tokenizer import stop_token_ids
@@ -293,10 +309,42 @@ def test_every_eos_of_config_and_generation_config_stops(target_copy, edit_confi
     bos_wordlevel_tokenizer(target_copy / "tokenizer.json")
     (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 5], "bos_token_id": 3}))
     tok = load_hf(target_copy).tokenizer
-    assert tok.eos_token_id == 4 and stop_token_ids(tok) == (4, 6, 5)
+    assert tok.eos_token_id == 4 and stop_token_ids(tok) == (4, 5)
     (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
-    assert stop_token_ids(load_hf(target_copy).tokenizer) == (4, 6, 5)
+    assert stop_token_ids(load_hf(target_copy).tokenizer) == (5,)
+    (target_copy / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert stop_token_ids(load_hf(target_copy).tokenizer) == (4, 6)
     (target_copy / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
     _raises(lambda: load_hf(target_copy), "generation_config.json", "eos_token_id", "'</s>'")
     (target_copy / "generation_config.json").write_text("{broken")
     _raises(lambda: load_hf(target_copy), "generation_config.json", "not a valid generation config")
+
+
+@torch.no_grad()
+def test_a_stored_lm_head_that_differs_from_tied_embeddings_is_used(saved, target_copy, edit_config):
+    """tie_word_embeddings=true, but the file holds its own, different lm_head: transformers 5 keeps it untied."""
+    ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(3))
+    want = load_target(saved[1])
+    edit_config(target_copy, tie_word_embeddings=True)
+    got = load_target(target_copy)
+    assert not got.config.tie_word_embeddings and got.lm_head.weight.data_ptr() != got.embed_tokens.weight.data_ptr()
+    assert torch.equal(got.logits(got(ids)), want.logits(want(ids)))
+    sd = load_file(target_copy / "model.safetensors")
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()  # the same values stored twice: tied
+    save_file(sd, target_copy / "model.safetensors")
+    tied = load_target(target_copy)
+    assert tied.config.tie_word_embeddings and tied.lm_head.weight is tied.embed_tokens.weight
+
+
+def test_generation_settings_specpipe_does_not_apply_are_named(target_copy, edit_config, capsys):
+    """repetition_penalty & co. change HF generate's greedy output: loading says so, metrics record it."""
+    edit_config(target_copy, specpipe_tokenizer=None)
+    bos_wordlevel_tokenizer(target_copy / "tokenizer.json")
+    (target_copy / "generation_config.json").write_text(json.dumps(
+        {"repetition_penalty": 1.05, "no_repeat_ngram_size": 0, "temperature": 0.7, "num_beams": 1}))
+    pair = load_hf(target_copy)
+    assert pair.target.config.extra["unapplied_generation_settings"] == {"repetition_penalty": 1.05}
+    assert "sets repetition_penalty=1.05, which specpipe does not apply" in capsys.readouterr().err
+    (target_copy / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.0, "top_k": 20}))
+    assert "unapplied_generation_settings" not in load_hf(target_copy).target.config.extra
+    assert "note" not in capsys.readouterr().err
