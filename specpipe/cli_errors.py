@@ -53,8 +53,22 @@ def reword(exc: Exception, overrides: list[str]) -> str:
             val, typ, key = m.groups()
             kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(typ, typ)
             return f"specpipe: invalid value for {key}: {val!r} is not {kind}; give {key}=<{kind}>."
+    no_eq = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
+    if "missing EQUAL" in msg and no_eq is not None:
+        return (f"specpipe: invalid override {no_eq!r}: overrides are key=value (e.g. draft.topk=4) or "
+                f"group=option (e.g. allocator=paged); `python -m specpipe --help` lists the groups.")
+    m = re.search(r"Config group override must be a string or a list", msg)
+    null = next((o for o in overrides if o.split("=", 1)[-1] in ("null", "None", "~")), None)
+    if m and null is not None:
+        group = null.split("=", 1)[0].lstrip("+")
+        return (f"specpipe: invalid override {null}: config group '{group}' needs one of its options "
+                f"(valid: {', '.join(group_options(group))}).")
+    deleted = next((o for o in overrides if o.startswith("~")), None)
+    if "does not support deletion" in msg and deleted is not None:
+        return (f"specpipe: invalid override {deleted}: a setting cannot be removed (the schema needs every key); "
+                f"set a value instead, {deleted[1:].split('=')[0]}=VALUE.")
     bad = next((o for o in overrides if "(" in o and "=" in o), None)
-    if "Error parsing override" in msg and bad is not None:
+    if ("Error parsing override" in msg or "no viable alternative" in msg) and bad is not None:
         key, val = bad.split("=", 1)
         return (f"specpipe: invalid override {bad}: the command line treats parentheses and commas specially, "
                 f"so quote a policy expression with options, e.g. '{key}=\"{val}\"' (valid policies: eager, "
@@ -80,6 +94,11 @@ def reword(exc: Exception, overrides: list[str]) -> str:
         hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
         return (f"specpipe: invalid override: '{full}' is not a configuration key{hint}. "
                 f"Use `python -m specpipe --cfg job` to see every key.")
+    if "Cannot merge" in msg:  # a {dict} or [list] where the schema has the other (or a scalar)
+        shaped = next((o for o in overrides if re.search(r"=\s*[\[{]", o)), None)
+        if shaped is not None:
+            return (f"specpipe: invalid value in {shaped}: its shape ({'a dict' if '={' in shaped else 'a list'}) "
+                    f"is not what that setting holds; `python -m specpipe --cfg job` shows each key's value.")
     m = re.search(r"full_key: ([\w.]+)", msg)
     first = " ".join(line.strip() for line in msg.splitlines() if line.strip() and not line.strip().startswith(
         ("full_key", "object_type", "reference_type")))

@@ -39,7 +39,9 @@ def read_config(folder: str | Path) -> dict:
     """The parsed ``config.json`` of a model folder."""
     file = Path(folder) / "config.json"
     if not file.is_file():
-        why = "file not found" if file.parent.is_dir() else f"the folder {file.parent} does not exist"
+        why = "file not found" if file.parent.is_dir() else (
+            f"{file.parent} is a file, not a folder (give the folder that holds it)" if file.parent.exists()
+            else f"the folder {file.parent} does not exist")
         raise CheckpointError(f"{file}: {why}; a model folder needs config.json (the Hugging Face model config) "
                               f"next to its safetensors weights")
     try:

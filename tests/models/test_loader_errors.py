@@ -64,6 +64,8 @@ def test_dtype_conversion(saved, tmp_path):
 def test_missing_config(tmp_path):
     _raises(lambda: load_target(tmp_path / "nope"), "nope", "does not exist")
     _raises(lambda: load_target(tmp_path), str(tmp_path / "config.json"), "not found")
+    (tmp_path / "weights.safetensors").write_bytes(b"x")
+    _raises(lambda: load_target(tmp_path / "weights.safetensors"), "weights.safetensors is a file, not a folder")
 
 
 def test_missing_weights(target_copy):
