@@ -129,11 +129,13 @@ class SpecPipe:
     def generate(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
                  stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None,
                  on_event: Optional[Callable[[StreamEvent], None]] = None, temperature: Optional[float] = None,
-                 top_p: Optional[float] = None, top_k: Optional[int] = None) -> list[Completion]:
+                 top_p: Optional[float] = None, top_k: Optional[int] = None,
+                 repetition_penalty: Optional[float] = None) -> list[Completion]:
         """Completions in prompt order. `stop`: stop strings for every prompt (taken as given: no escapes);
         `out_dir` also writes metrics.json and completions.jsonl there; `on_event` gets a StreamEvent
         whenever a request commits tokens and when it finishes (each request's last event has its
-        finish_reason, prompts that fail before decoding included). `temperature`, `top_p`, `top_k`: this
+        finish_reason, prompts that fail before decoding included). `temperature`, `top_p`, `top_k`,
+        `repetition_penalty`: this
         call's sampling (sampling.* for all its prompts; a prompt's "seed" still picks its coins)."""
         from omegaconf import OmegaConf
 
@@ -156,7 +158,8 @@ class SpecPipe:
             if not is_int(max_new_tokens) or max_new_tokens < 1:
                 raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
             cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
-        sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k))
+        sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                                      ("repetition_penalty", repetition_penalty))
                     if v is not None}
         if sampling:  # this call's values win over the model's generation_config (from_model) and sampling.*
             from specpipe.app import model_sampling
@@ -188,7 +191,7 @@ class SpecPipe:
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
                stop: Optional[str | Sequence[str]] = None, **sampling) -> Iterator[StreamEvent]:
         """`generate` as an iterator of StreamEvents, in the order tokens are committed (`sampling`: its
-        temperature / top_p / top_k). Decoding runs in a worker thread; leaving the loop early stops it."""
+        temperature / top_p / top_k / repetition_penalty). Decoding runs in a worker thread; leaving the loop early stops it."""
         import queue
         import threading
 

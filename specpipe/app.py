@@ -19,6 +19,7 @@ from specpipe.pipeline import PlainPipeline, Request
 from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
+from specpipe.schema import SAMPLING_RULES
 from specpipe.stages.prepare_decode import target_kv_layout
 from specpipe.tokenizer import encode_chat, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
@@ -98,16 +99,17 @@ def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
 
 def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int,
                   stop: Sequence[str] = (), ignore_eos: bool = False,
-                  sampling: tuple = (0.0, 1.0, 0)) -> list[Request]:
+                  sampling: tuple = (0.0, 1.0, 0, 1.0)) -> list[Request]:
     """One Request per prompt; a bad prompt becomes that request's error, never the run's. `stop`: stop
     strings of every request (a prompt's own "stop" adds to them); `ignore_eos` drops them all.
-    `sampling`: the run's (temperature, top_p, top_k), completed by a prompt's own where it sets some."""
+    `sampling`: the run's (temperature, top_p, top_k, repetition_penalty), completed by a prompt's own where it
+    sets some."""
     reqs = []
     for i, it in enumerate(items):
         r = Request(i, it.get("prompt", ""), [], it.get("max_new_tokens", max_new_tokens))
         own = it.get("sampling")
         if own:
-            r.sampling = tuple(own.get(k, v) for k, v in zip(("temperature", "top_p", "top_k"), sampling))
+            r.sampling = tuple(own.get(k, v) for k, v in zip(SAMPLING_RULES, sampling))
         stops = [] if ignore_eos else list(dict.fromkeys([*stop, *it.get("stop", ())]))
         if stops:
             r.stop_strings = StopStrings(stops, tokenizer.decode)
@@ -186,7 +188,9 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     eos = None if cfg.workload.get("ignore_eos") else stop_token_ids(pair.tokenizer)
     sp = cfg.sampling
     sampled = any_sampled(cfg, reqs)
-    sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device, greedy=not sampled)
+    sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device, greedy=not sampled,
+                             repetition_penalty=sp.repetition_penalty, vocab_size=pair.target.config.vocab_size,
+                             penalized=any(r.sampling is not None and r.sampling[3] != 1.0 for r in reqs))
     if d.method == "none":
         return PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
     proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled)
@@ -298,7 +302,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
-                         sampling=(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k))
+                         sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
     try:
         allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
         pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
@@ -344,8 +348,10 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     sp = cfg.sampling
     summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-                           "source": sampling_source, "per_request": sum(r.sampling is not None for r in reqs)}
-    unapplied = pair.target.config.extra.get("unapplied_generation_settings")
+                           "repetition_penalty": sp.repetition_penalty, "source": sampling_source, "per_request": sum(r.sampling is not None for r in reqs)}
+    unapplied = dict(pair.target.config.extra.get("unapplied_generation_settings") or {})
+    if cfg.sampling.get("from_model"):
+        unapplied.pop("repetition_penalty", None)  # taken with the sampling settings
     if unapplied:
         summary["unapplied_generation_settings"] = unapplied  # generation_config.json values HF applies, we don't
     summary["num_requests"] = len(reqs)

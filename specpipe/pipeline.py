@@ -219,9 +219,11 @@ class Pipeline:
                 return False
             rows_np, ids, hidden, batch, last, logits = out
             old = len(self.reqs)
-            self.sampling.join([r.seed for r in reqs], [r.sampling for r in reqs])
+            self.sampling.join([r.seed for r in reqs], [r.sampling for r in reqs],
+                               [r.context_ids for r in reqs] if self.sampling.penalized else None)
             new_rows = torch.arange(old, old + len(reqs), device=self.dev)
             first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(context)
+            self.sampling.note(first[:, None], rows=new_rows)
             finite = torch.isfinite(logits).all(-1)
             host = torch.stack([first, finite.to(first.dtype)], 1).tolist()
             now = time.perf_counter()
@@ -279,6 +281,7 @@ class PlainPipeline(Pipeline):
             hidden = self.target(self.last_token[:, None], batch)
             logits = self.target.logits(hidden[:, 0])
             nxt = self.sampling.sample_next(logits, L_t + 1)  # [B]
+            self.sampling.note(nxt[:, None])
         with self.metrics.stage("commit"):
             finite = torch.isfinite(logits).all(-1)
             host = torch.stack([nxt, finite.to(nxt.dtype)], 1).tolist()  # the one host sync of the step

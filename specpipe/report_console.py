@@ -9,6 +9,8 @@ def sampling_text(sp: Optional[dict]) -> str:
         return "-"
     text = "greedy" if sp["temperature"] <= 0 else \
         f"temperature {sp['temperature']:g}, top_p {sp['top_p']:g}, top_k {sp['top_k']}"
+    if sp.get("repetition_penalty", 1.0) != 1.0:
+        text += f", repetition_penalty {sp['repetition_penalty']:g}"
     text += f" ({sp['source']})" if not sp["source"].startswith("config") else ""
     return text + (f"; {sp['per_request']} request(s) with their own" if sp.get("per_request") else "")
 

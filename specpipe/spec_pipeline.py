@@ -64,7 +64,9 @@ class SpecPipeline(Pipeline):
         return self.prep.decorate(AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos))
 
     def accept(self, logits, tree, draft_probs, L_t):
-        """Greedy acceptance, or lossless sampling (rejection sampling for sampled chains, else target-only)."""
+        """Greedy acceptance, or lossless sampling (rejection sampling for sampled chains, else target-only);
+        with a repetition penalty, each node's logits are penalized for its own context (prompt, output, path)."""
+        logits = self.sampling.penalize_tree(logits, tree.tokens, tree.mask)
         if self.sampling.greedy:
             return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)
         s = self.sampling
@@ -107,6 +109,7 @@ class SpecPipeline(Pipeline):
         with m.stage("verify"):
             logits, vhidden = self.verify.target_forward(tree.tokens, vbatch)
             accept_index, count, commit = self.accept(logits, tree, draft_probs, L_t)
+            self.sampling.note(commit, count)
         with m.stage("commit"):
             stats = self.round_stats(tree, accept_index, logits)
             host = torch.cat([count[:, None], commit, stats], 1).tolist()  # the one host sync of the step

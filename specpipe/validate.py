@@ -177,7 +177,8 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"allocator.window={a.window} is shorter than one speculative step needs "
                       f"(num_steps + 1 = {cfg.draft.num_steps + 1} tokens); use allocator.window>="
                       f"{cfg.draft.num_steps + 1}")
-    for key, hint in (("temperature", ""), ("top_p", " (1 keeps every token)"), ("top_k", " (0 keeps every token)")):
+    for key, hint in (("temperature", ""), ("top_p", " (1 keeps every token)"), ("top_k", " (0 keeps every token)"),
+                      ("repetition_penalty", "; 1.05 to 1.3 is typical")):
         v = cfg.sampling[key]
         if v != v:
             errors.append(f"sampling.{key}=nan is not a number (valid: {SAMPLING_RULES[key][2]}{hint})")

@@ -378,15 +378,15 @@ def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
 
 
 def generation_sampling(folder: Path) -> dict:
-    """The sampling settings a folder's generation_config.json sets (temperature, top_p, top_k; do_sample=false
-    is greedy), as vLLM applies them: only the keys present. {} without the file."""
+    """The sampling settings a folder's generation_config.json sets (temperature, top_p, top_k,
+    repetition_penalty; do_sample=false is greedy), as vLLM applies them: only the keys present. {} without
+    the file."""
     raw = generation_config(folder)
-    if raw.get("do_sample") is False:
-        return {"temperature": 0.0}
-    out = {}
-    for key in ("temperature", "top_p", "top_k"):
+    greedy = raw.get("do_sample") is False
+    out = {"temperature": 0.0} if greedy else {}
+    for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
         v = raw.get(key)
-        if v is None:
+        if v is None or (greedy and key != "repetition_penalty"):  # HF penalizes repeats when greedy too
             continue
         if key == "top_k" and is_int(v) and v < 0:
             v = 0  # vLLM's -1: off
@@ -454,9 +454,10 @@ def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: st
         target.config.extra["unapplied_generation_settings"] = unapplied
         import sys
 
+        how = " unless sampling.from_model=true" if list(unapplied) == ["repetition_penalty"] else ""
         print(f"specpipe: note: {folder / 'generation_config.json'} sets "
-              f"{', '.join(f'{k}={v!r}' for k, v in unapplied.items())}, which specpipe does not apply (HF generate "
-              f"does, greedy included), so outputs can differ from HF's", file=sys.stderr)
+              f"{', '.join(f'{k}={v!r}' for k, v in unapplied.items())}, which specpipe does not apply{how} (HF "
+              f"generate does, greedy included), so outputs can differ from HF's", file=sys.stderr)
     draft = load_draft(draft_path, target, dtype, device) if draft_path is not None else None
     return ModelPair(target, draft, tokenizer, name=name or folder.name)
 

@@ -73,12 +73,15 @@ def test_sampling_from_the_models_generation_config(make_hf_model, edit_config, 
     base = ["model=hf", f"model.path={folder}", "draft=ngram", f"workload.prompts_file={path}",
             "workload.max_new_tokens=4", "sampling.top_p=0.9"]
     m = run(compose(*base, "sampling.from_model=true"), quiet=True)["metrics"]
-    assert m["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "source": str(gen), "per_request": 0}
+    assert m["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.0,
+                             "source": str(gen), "per_request": 0}
     assert m["config"]["sampling"]["temperature"] == 0.6  # what the run really used
     assert run(compose(*base), quiet=True)["metrics"]["sampling"]["temperature"] == 0.0  # off by default
 
     gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     assert generation_sampling(folder) == {"temperature": 0.0}
+    gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.1}))
+    assert generation_sampling(folder) == {"temperature": 0.0, "repetition_penalty": 1.1}  # HF: greedy too
     gen.write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(CheckpointError, match="field 'temperature' is 'hot'"):
         generation_sampling(folder)
@@ -96,3 +99,43 @@ def test_api_sampling_wins_over_the_models(make_hf_model, edit_config, tmp_path)
     assert (sp.metrics["sampling"]["temperature"], sp.metrics["sampling"]["top_p"]) == (0.6, 0.8)
     sp.generate([[5, 6, 7]], max_new_tokens=3, temperature=1.2)  # the call's value; the model's top_p stays
     assert (sp.metrics["sampling"]["temperature"], sp.metrics["sampling"]["top_p"]) == (1.2, 0.8)
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "eagle"])
+def test_repetition_penalty_equals_transformers_generate(make_hf_model, edit_config, tmp_path, draft):
+    """HF's repetition penalty, greedy: each verified tree node is penalized for its own context (prompt,
+    output, and the drafts on its path), so every drafter commits what generate(repetition_penalty=) gives;
+    per prompt too, next to prompts without one."""
+    model = (make_hf_model("llama_bias_yarn", seed=11) if draft == "eagle" else make_hf_model("llama", seed=16)).double()
+    folder = tmp_path / "target"
+    model.save_pretrained(folder)
+    edit_config(folder, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299})
+    g = torch.Generator().manual_seed(17)
+    prompts = [(torch.randint(0, 40, (n,), generator=g).tolist() * 3)[: 3 * n] for n in (3, 5, 8, 11)]
+    penalties = [1.3, None, 2.0, 0.7]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p, **({"repetition_penalty": r} if r else {})}) + "\n"
+                            for p, r in zip(prompts, penalties)))
+    extra = []
+    if draft == "eagle":
+        target = load_target(folder, dtype="float64")
+        extra = [f"draft.path={save_eagle(random_head(target, seed=12), tmp_path / 'eagle')}", "draft.topk=2",
+                 "draft.num_steps=3"]
+    cfg = compose("model=hf", f"model.path={folder}", f"draft={draft}", "device.dtype=float64", *extra,
+                  f"workload.prompts_file={path}", f"workload.max_new_tokens={MAX_NEW}", "workload.batch_size=4")
+    out = run(cfg, quiet=True)
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    plain = run(compose("model=hf", f"model.path={folder}", "draft=none", "device.dtype=float64",
+                        f"workload.prompts_file={tmp_path / 'plain.jsonl'}", f"workload.max_new_tokens={MAX_NEW}"),
+                quiet=True)
+    assert out["metrics"]["num_errors"] == 0 and out["metrics"]["sampling"]["per_request"] == 3
+    if draft != "none":
+        assert out["metrics"]["accept_length_mean"] > 1
+    changed = 0
+    with torch.no_grad():
+        for p, r, req in zip(prompts, penalties, out["requests"]):
+            ref = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1,
+                                 repetition_penalty=r or 1.0, eos_token_id=299, pad_token_id=0)[0, len(p):].tolist()
+            assert req.output_ids == ref, (draft, r, p)
+            changed += r is not None and ref != plain["requests"][req.index].output_ids
+    assert changed >= 2  # the penalty really changed these outputs

@@ -1,0 +1,52 @@
+"""SamplingState's repetition penalty: each tree node is penalized for its own context, as HF's
+RepetitionPenaltyLogitsProcessor would penalize that sequence."""
+import torch
+
+from specpipe.sampling import SamplingState
+
+
+def hf_penalty(logits: torch.Tensor, context: list[int], penalty: float) -> torch.Tensor:
+    """transformers' rule on one row: gather the context's logits, < 0 times penalty, else divided, scatter."""
+    ids = torch.tensor(sorted(set(context)), dtype=torch.int64)
+    out = logits.clone()
+    score = out[ids]
+    out[ids] = torch.where(score < 0, score * penalty, score / penalty)
+    return out
+
+
+def test_tree_nodes_are_penalized_for_the_prompt_the_output_and_their_own_path():
+    g = torch.Generator().manual_seed(0)
+    B, N, V = 3, 9, 6  # a tiny vocabulary: tokens repeat across branches and along paths
+    parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 6, 5], [-1, 0, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 0, 0, 0, 1, 2, 3, 4]])
+    mask = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        for j in range(N):
+            k = j
+            while k >= 0:
+                mask[b, j, k] = True
+                k = int(parent[b, k])
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    contexts = [[0, 1], [], [5, 5, 2]]
+    state = SamplingState(0.0, 1.0, 0, "cpu", vocab_size=V, penalized=True)
+    state.join([1, 2, 3], [None, (0.0, 1.0, 0, 1.7), (0.0, 1.0, 0, 0.6)], contexts)
+    state.penalty[0] = 2.5
+    logits = torch.randn(B, N, V, generator=g, dtype=torch.float64)
+    got = state.penalize_tree(logits, tokens, mask)
+    for b, pen in enumerate((2.5, 1.7, 0.6)):
+        for j in range(N):
+            path = [int(tokens[b, k]) for k in range(N) if mask[b, j, k]]
+            assert torch.equal(got[b, j], hf_penalty(logits[b, j], contexts[b] + path, pen)), (b, j)
+
+    # committed tokens join the context: the first count+1 of each row
+    state.note(torch.tensor([[3, 4, 0], [1, 2, 3], [4, 4, 4]]), torch.tensor([0, 2, 1]))
+    assert state.seen.tolist() == [[c in {0, 1, 3} for c in range(V)], [c in {1, 2, 3} for c in range(V)],
+                                   [c in {2, 4, 5} for c in range(V)]]
+    state.keep(torch.tensor([2, 0]))
+    assert state.penalty.tolist() == [0.6, 2.5] and state.seen[1, 3]
+
+
+def test_a_state_without_a_penalty_keeps_no_context():
+    state = SamplingState(0.0, 1.0, 0, "cpu")
+    state.join([1], [(0.0, 1.0, 0)])
+    logits = torch.randn(1, 4, 10)
+    assert not state.penalized and state.penalize_tree(logits, torch.zeros(1, 4, dtype=torch.long), None) is logits
