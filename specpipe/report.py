@@ -3,13 +3,13 @@
 Reads every job dir under SWEEP_DIR (metrics.json, error.json, .hydra/overrides.yaml) and writes
 report.csv, report.md and report.png. The columns are the overrides that differ between jobs, so
 the table shows what the sweep varied and nothing that stayed fixed. A job that failed shows its
-error.json message; one that was interrupted or crashed (a job dir without either file) shows that.
+error.json message (for a crash, the exception); one that was interrupted or killed (a job dir without
+either file) shows that, and so does one whose metrics.json or error.json cannot be read, saying why.
 """
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import re
 import sys
@@ -19,11 +19,12 @@ from typing import Optional
 
 import yaml
 
-from specpipe.sweep import objective
+from specpipe.sweep import is_number, metrics_problem, objective, read_json_object
 
 METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_verify_steps", "recompiles", "wall_s")
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
-UNFINISHED = "unfinished: no metrics.json (interrupted, crashed or still running; resume=true re-runs it)"
+UNFINISHED = "unfinished: no metrics.json (interrupted, killed or still running; resume=true re-runs it)"
+RERUN = "resume=true re-runs it"
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Job:
     @property
     def tps(self) -> Optional[float]:
         v = (self.metrics or {}).get("tokens_per_s")
-        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+        return float(v) if is_number(v) and not math.isnan(v) else None
 
     @property
     def limit(self) -> Optional[float]:
@@ -50,13 +51,6 @@ class Job:
 
 def _natural(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def _read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def _overrides(job_dir: Path) -> dict[str, str]:
@@ -79,12 +73,35 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
     dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
     jobs = []
     for d in sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir)))):
-        metrics = _read_json(d / "metrics.json")
-        err = None
-        if metrics is None:
-            err = (_read_json(d / "error.json") or {}).get("error") or UNFINISHED
+        metrics, err = job_state(d)
         jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", _overrides(d), metrics, err))
     return jobs
+
+
+def error_message(job_dir: Path) -> tuple[bool, Optional[str]]:
+    """(whether job_dir has an error.json, the failure it records or why it cannot be read; None if absent)."""
+    err, why = read_json_object(job_dir / "error.json")
+    if err is None:
+        return why is not None, (f"failed: {why}; {RERUN}" if why else None)
+    msg = err.get("error")
+    if not isinstance(msg, str) or not msg.strip():
+        return True, f"failed: error.json holds no error message; {RERUN}"
+    return True, msg
+
+
+def job_state(job_dir: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the job's metrics, None) when it finished; else (None, why not): the error.json message of a failed
+    job, what is wrong with a metrics.json that cannot be used, or UNFINISHED when there is neither file."""
+    metrics, bad_metrics = read_json_object(job_dir / "metrics.json")
+    if metrics is not None:
+        bad_metrics = metrics_problem(metrics, METRICS)
+        if bad_metrics is None:
+            return metrics, None
+    _, failed = error_message(job_dir)
+    damaged = f"{bad_metrics}; {RERUN}" if bad_metrics else None
+    if failed and damaged:
+        return None, f"{failed} ({damaged})"
+    return None, failed or damaged or UNFINISHED
 
 
 def varied_keys(jobs: list[Job]) -> tuple[list[str], dict[str, str]]:
@@ -211,6 +228,21 @@ def no_metrics_message(sweep_dir: Path, jobs: list[Job]) -> str:
             "whose numbered job dirs each get metrics.json when their run finishes.")
 
 
+def out_problem(out: Path) -> Optional[str]:
+    """Why the report cannot be written into the folder out (which is created when missing), or None."""
+    if out.exists() and not out.is_dir():
+        return (f"specpipe.report: --out {out} is an existing file, not a folder: --out names the folder that "
+                "report.csv, report.md and report.png are written into (it is created when missing), "
+                f"e.g. --out {out.parent}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return (f"specpipe.report: cannot create the folder {out} for the report ({e.strerror or e}"
+                + (f": {e.filename}" if e.filename and str(e.filename) != str(out) else "") + "). Give --out a "
+                "folder you can write to (it is created when missing), or drop --out to write into SWEEP_DIR.")
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m specpipe.report", description=__doc__.splitlines()[0])
     ap.add_argument("sweep_dir", type=Path, help="a multirun folder (hydra.sweep.dir)")
@@ -221,11 +253,66 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(no_metrics_message(args.sweep_dir, jobs), file=sys.stderr)
         sys.exit(2)
     out = args.out or args.sweep_dir
-    jobs, md = report(args.sweep_dir, out)
+    problem = out_problem(out)
+    if problem:
+        print(problem, file=sys.stderr)
+        sys.exit(2)
+    try:
+        jobs, md = report(args.sweep_dir, out)
+    except OSError as e:
+        print(f"specpipe.report: cannot write the report into {out}: {e.strerror or e}"
+              + (f" ({e.filename})" if e.filename else "") + ". Give --out a folder you can write to.",
+              file=sys.stderr)
+        sys.exit(2)
     print(md)
     failed = sum(j.metrics is None for j in jobs)
     print(f"{len(jobs)} jobs ({failed} without metrics) -> {out / 'report.csv'}, {out / 'report.md'}, "
           f"{out / 'report.png'}")
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(text.removeprefix("specpipe: ").split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def failure_summary(sweep_dir: Path, since: float) -> Optional[str]:
+    """The end-of-sweep list of this sweep's failed jobs, or None when none failed.
+
+    A job dir belongs to this sweep when Hydra wrote its .hydra/overrides.yaml (or the job wrote metrics.json
+    or error.json) at or after `since` (a time.time()); leftovers of an earlier, longer sweep in the same
+    folder are not counted. A job of this sweep failed when it wrote an error.json, or has no usable
+    metrics.json (e.g. killed under a launcher that runs jobs elsewhere).
+    """
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return float("-inf")
+
+    jobs = [j for j in (find_jobs(sweep_dir) if sweep_dir.is_dir() else [])
+            if max(mtime(sweep_dir / j.name / f) for f in (".hydra/overrides.yaml", "metrics.json", "error.json"))
+            >= since]
+    failed = []
+    for j in jobs:
+        d = sweep_dir / j.name
+        has_error, message = error_message(d)
+        if has_error and mtime(d / "error.json") >= since:
+            failed.append((j, message, f"{d / 'error.json'}"))
+        elif j.metrics is None:  # killed, or left with a damaged metrics.json; an older error.json is not its story
+            failed.append((j, UNFINISHED if has_error else j.error, f"{d} (no error.json from this sweep)"))
+    if not failed:
+        return None
+    varied, _ = varied_keys(jobs)
+    lines = [f"specpipe: {len(failed)} of {len(jobs)} jobs failed:"]
+    for j, message, where in failed:
+        shown = " ".join(f"{k}={j.overrides[k]}" for k in varied if k in j.overrides)
+        lines.append(f"  job {j.name}" + (f" ({shown})" if shown else "") + f": {_one_line(message)}")
+        lines.append(f"    {where}")
+    lines.append(f"Each error.json says why (a crash's holds its traceback). The other jobs' results are in "
+                 f"{sweep_dir}: `python -m specpipe.report {sweep_dir}` tabulates them. To run only the failed "
+                 f"jobs again, repeat the command with resume=true (and hydra.sweep.dir={sweep_dir} if it did not "
+                 "set one).")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

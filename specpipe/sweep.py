@@ -1,20 +1,92 @@
 """Per-job sweep support: resume a finished job, record a failed one, score a run for a sweeper.
 
-A job's output dir is finished when it holds metrics.json (app.write_outputs renames it into place
-last), so an interrupted or crashed job never looks finished and a resumed sweep re-runs it.
+A job's output dir is finished when it holds a readable metrics.json (app.write_outputs renames it into
+place last), so an interrupted or crashed job never looks finished and a resumed sweep re-runs it; so
+does a job whose metrics.json is damaged (truncated, empty, not a JSON object).
+
+`SweepSummary` is the Hydra callback (conf/config.yaml, hydra.callbacks) that keeps a sweep going when a
+job raises an unexpected exception (recorded in that job's error.json, traceback included) and, at the
+end of the sweep, lists the jobs that failed and exits with status 1 when there are any.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from specpipe.validate import to_container
 
 NOT_RUN_KEYS = ("resume", "latency_limit_ms")  # change how a job is scored or skipped, not what it computes
+TRACEBACK_FRAMES = 8  # the last frames of a crashed job's traceback kept in its error.json
+
+
+def _kind(value) -> str:
+    if isinstance(value, list):
+        return "a JSON array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return "a number"
+
+
+def read_json_object(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the JSON object in path, None); (None, None) when there is no such file; else (None, why the file
+    cannot be used), a phrase that starts with the file's name: "metrics.json is empty"."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"{path.name} cannot be read ({e.strerror or e})"
+    if not data.strip():
+        return None, f"{path.name} is empty"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"{path.name} is not valid UTF-8 JSON (byte 0x{data[e.start]:02x} at offset {e.start})"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        how = "truncated" if e.pos >= len(text.rstrip()) else "invalid"
+        return None, f"{path.name} is unreadable ({how} JSON: {e.msg} at line {e.lineno} column {e.colno})"
+    except RecursionError:
+        return None, f"{path.name} is unreadable (JSON nested too deeply)"
+    if not isinstance(value, dict):
+        return None, f"{path.name} is not a JSON object (it holds {_kind(value)})"
+    return value, None
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def metrics_problem(m: dict, keys=("tokens_per_s", "step_latency_ms_p90")) -> Optional[str]:
+    """Why a metrics.json object cannot be a finished job's metrics (None when it can): tokens_per_s must be a
+    finite number, every other key of `keys` it holds a number or null, and its config an object."""
+    if not is_number(m.get("tokens_per_s")) or not math.isfinite(m["tokens_per_s"]):
+        return ("metrics.json has no tokens_per_s" if m.get("tokens_per_s") is None else
+                f"metrics.json has tokens_per_s={json.dumps(m['tokens_per_s'])[:40]}, not a finite number")
+    for k in keys:
+        if m.get(k) is not None and not is_number(m[k]):
+            return f"metrics.json has {k}={json.dumps(m[k])[:40]}, not a number"
+    cfg = m.get("config", {})
+    if not isinstance(cfg, dict):
+        return f"metrics.json has a config that is {_kind(cfg)}, not an object"
+    if cfg.get("latency_limit_ms") is not None and not is_number(cfg["latency_limit_ms"]):
+        return f"metrics.json has config.latency_limit_ms={json.dumps(cfg['latency_limit_ms'])[:40]}, not a number"
+    return None
 
 
 def _same_run(stored: dict, current: dict) -> bool:
@@ -26,25 +98,50 @@ def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     """The job's stored metrics when out_dir already holds a finished run of this same config, else None.
 
     Comparing configs matters because Hydra names job dirs by job number: re-running a stable
-    sweep dir with different values must not reuse job 3's old results for a new job 3.
+    sweep dir with different values must not reuse job 3's old results for a new job 3. A metrics.json
+    that cannot be read (truncated, not UTF-8, not a JSON object) is not a finished run: the job runs again.
     """
     path = Path(out_dir) / "metrics.json"
-    if not path.is_file():
+    stored, why = read_json_object(path)
+    if stored is not None:
+        why = metrics_problem(stored)
+    if why is not None:
+        print(f"resume: {path.parent}: {why}, so the job runs again", file=sys.stderr)
         return None
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # unreadable: run it again
-    if not _same_run(stored.get("config", {}), to_container(cfg)):
+    if stored is None or not _same_run(stored.get("config", {}), to_container(cfg)):
         return None
     return stored
 
 
-def write_error(out_dir: str, message: str) -> None:
-    """Record why a sweep job failed, so `python -m specpipe.report` can show it as a row."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "error.json").write_text(json.dumps({"error": message}, indent=2) + "\n")
+def _write_json(path: Path, obj: dict) -> None:
+    """Write path through a temporary file renamed into place, so it is never seen half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_error(out_dir: str, error: str, **details: Any) -> None:
+    """Record why a sweep job failed, so `python -m specpipe.report` can show it as a row.
+
+    error.json holds {"error": error, "crash": false} for a config error; `write_crash` adds the
+    exception's type, message and traceback, with "crash": true."""
+    _write_json(Path(out_dir) / "error.json", {"error": error, "crash": False, **details})
+
+
+def crash_message(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"crashed: {type(exc).__name__}" + (f": {text}" if text else "")
+
+
+def write_crash(out_dir: str, exc: BaseException) -> str:
+    """Record an unexpected exception of a sweep job in its error.json; the message the report shows."""
+    message = crash_message(exc)
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-TRACEBACK_FRAMES))
+    kind = type(exc).__qualname__
+    kind = kind if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{kind}"
+    write_error(out_dir, message, crash=True, exception=kind, message=str(exc), traceback=tb)
+    return message
 
 
 def clear_error(out_dir: str) -> None:
@@ -79,3 +176,64 @@ def tree_search_space(cfg: DictConfig, trial) -> None:
     k, s = int(trial.params["draft.topk"]), int(trial.params["draft.num_steps"])
     most = min(s + 1 if k == 1 else 1 + k + (s - 1) * k * k, MAX_TREE_TOKENS)
     trial.suggest_int("draft.num_draft_tokens", min(s + 1, most), most)
+
+
+def file_clock(folder: Path) -> float:
+    """The time now, as the filesystem of folder (created if missing) stamps files: the jobs' files are later.
+
+    A shared filesystem (Slurm) stamps files with its server's clock, which may differ from this machine's."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".specpipe-clock-") as f:
+            return os.fstat(f.fileno()).st_mtime
+    except OSError:
+        return time.time() - 1.0
+
+
+class SweepSummary(Callback):
+    """Hydra callback for multiruns (conf/config.yaml: hydra.callbacks.sweep_summary), with any launcher.
+
+    on_job_end runs where the job ran: an unexpected exception of a job (a config error is already caught
+    and recorded by the job itself) is written to the job's error.json with its traceback, and the job
+    returns NaN to the sweeper instead of raising, so the other jobs still run and Optuna records a failed
+    trial. on_multirun_end runs where the sweep was started: it lists the jobs of this sweep that failed
+    and exits with status 1 when there are any. Single runs and Ctrl-C (KeyboardInterrupt is not an
+    Exception, so Hydra does not catch it and no callback sees it) are left as they are.
+    """
+
+    def __init__(self) -> None:
+        self.started = time.time()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = file_clock(Path(str(config.hydra.sweep.dir)))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
+
+        exc = getattr(job_return, "_return_value", None)
+        if (config.hydra.mode != RunMode.MULTIRUN or job_return.status != JobStatus.FAILED
+                or not isinstance(exc, Exception)):
+            return
+        out_dir = config.hydra.runtime.output_dir
+        where = f"the traceback is in {out_dir}/error.json"
+        try:
+            message = write_crash(out_dir, exc)
+        except OSError as e:  # keep the sweep going; the traceback goes to the terminal instead
+            message, where = crash_message(exc), f"{out_dir}/error.json could not be written ({e}), so the " \
+                                                 "traceback is printed above"
+            traceback.print_exception(type(exc), exc, exc.__traceback__, limit=-TRACEBACK_FRAMES)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
+        print(f"specpipe: job {config.hydra.job.num} {message}. This is not a configuration error; {where}. "
+              "The sweep goes on with the next job.", file=sys.stderr)
+        job_return.return_value = float("nan")
+        job_return.status = JobStatus.COMPLETED
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from specpipe.report import failure_summary
+
+        text = failure_summary(Path(str(config.hydra.sweep.dir)), since=self.started)
+        if text:
+            print(text, file=sys.stderr)
+            sys.exit(1)

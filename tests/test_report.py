@@ -55,6 +55,47 @@ def test_report_writes_csv_markdown_and_png(tmp_path, capsys):
     assert "report.csv" in capsys.readouterr().out
 
 
+DAMAGED = {  # job -> (file, contents, what the report must say about it)
+    "4": ("metrics.json", b"[1, 2]", "metrics.json is not a JSON object"),
+    "5": ("metrics.json", b"\xff\xfe{", "metrics.json is not valid UTF-8 JSON"),
+    "6": ("metrics.json", b'{"tokens_per_s": 1', "metrics.json is unreadable (truncated JSON"),
+    "7": ("metrics.json", b"", "metrics.json is empty"),
+    "8": ("metrics.json", b'{"tokens_per_s": "fast"}', "tokens_per_s=\"fast\", not a finite number"),
+    "9": ("error.json", b"garbage{", "failed: error.json is unreadable (invalid JSON"),
+}
+
+
+def test_damaged_job_files_are_reported_with_what_is_wrong(tmp_path, capsys):
+    sweep = make_sweep(tmp_path / "sweep")
+    for name, (file, contents, _) in DAMAGED.items():
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(f"- draft.topk={name}\n- model=random_tiny\n")
+        (sweep / name / file).write_bytes(contents)
+    main([str(sweep)])  # no traceback: the good jobs still get their table
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert [j for j, r in table.items() if r["tokens_per_s"]] == ["1", "2", "0"]
+    for name, (_, _, says) in DAMAGED.items():
+        assert says in table[name]["error"], table[name]["error"]
+        assert table[name]["error"] != UNFINISHED
+    assert "Best: job 1" in (sweep / "report.md").read_text()
+    assert "11 jobs (8 without metrics)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_out_that_cannot_be_a_folder_is_a_clear_error(tmp_path, capsys, where):
+    sweep = make_sweep(tmp_path / "sweep")
+    (tmp_path / "taken").write_text("not a folder")
+    out = tmp_path / "taken" / ("sub" if where == "under_a_file" else "")
+    with pytest.raises(SystemExit) as e:
+        main([str(sweep), "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specpipe.report:") and err.count("\n") == 1 and str(out) in err
+    assert ("is an existing file, not a folder" if where == "file" else "(Not a directory)") in err
+    assert not (sweep / "report.csv").exists()
+
+
 def test_report_defaults_to_the_sweep_dir(tmp_path):
     sweep = make_sweep(tmp_path)
     main([str(sweep)])

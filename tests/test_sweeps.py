@@ -78,14 +78,16 @@ def test_resume_reruns_only_unfinished_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "draft.num_steps=2,3,0", *SMALL, f"hydra.sweep.dir={sweep}"]  # job 2 is invalid
     p = specpipe(*args)
-    assert p.returncode == 0, p.stderr  # one bad point does not end the sweep ...
-    assert "draft.num_steps=0 must be >= 1" in json.loads((sweep / "2" / "error.json").read_text())["error"]
+    assert p.returncode == 1, p.stderr  # one bad point does not end the sweep, but the sweep did not all succeed
+    assert "draft.num_steps=0 must be" in json.loads((sweep / "2" / "error.json").read_text())["error"]
     assert not (sweep / "2" / "metrics.json").exists()  # ... and is recorded, not reported as a result
+    assert "1 of 3 jobs failed" in p.stderr and str(sweep / "2" / "error.json") in p.stderr
+    assert metrics(sweep, 1)["config"]["draft"]["num_steps"] == 3  # the jobs after it ran
     kept = (sweep / "0" / "metrics.json").stat().st_mtime_ns
     (sweep / "1" / "metrics.json").unlink()  # as if job 1 had been interrupted
     failed_at = (sweep / "2" / "error.json").stat().st_mtime_ns
     p = specpipe(*args, "resume=true")
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1, p.stderr  # job 2 fails again
     assert p.stderr.count("skipped") == 1 and f"{sweep / '0'} already has metrics.json" in p.stderr
     assert (sweep / "0" / "metrics.json").stat().st_mtime_ns == kept  # finished job not run again
     assert metrics(sweep, 1)["config"]["draft"]["num_steps"] == 3  # the missing one ran
@@ -147,6 +149,16 @@ def test_resume_reuses_only_the_same_config(tmp_path):
     assert finished_metrics(cfg, str(tmp_path)) is None
     (tmp_path / "metrics.json").write_text("{trunc")
     assert finished_metrics(cfg, str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("contents", [b"[1, 2]", b"\xff\xfe{}", b"", b'{"tokens_per_s": 1',
+                                      b'{"tokens_per_s": 1.0, "config": [1]}', b'{"tokens_per_s": "x", "config": {}}'])
+def test_resume_runs_a_job_whose_metrics_json_is_damaged_again(tmp_path, capsys, contents):
+    cfg = compose(*SMALL)
+    (tmp_path / "metrics.json").write_bytes(contents)
+    assert finished_metrics(cfg, str(tmp_path)) is None  # not finished: the job runs again (no traceback)
+    err = capsys.readouterr().err
+    assert err.startswith(f"resume: {tmp_path}: metrics.json") and err.endswith("so the job runs again\n")
 
 
 def test_objective_ranks_every_run_within_the_latency_limit_first():

@@ -1,0 +1,99 @@
+"""Sweeps with failing jobs: a crash or a config error is recorded in the job's error.json, the other jobs
+still run, the sweep ends with a list of the failed jobs and exit status 1, and resume re-runs damaged jobs."""
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specpipe.report import failure_summary
+from specpipe.report import main as report_main
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=8"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+ENV.pop("HYDRA_FULL_ERROR", None)
+
+# `python -m specpipe ARGS` whose first decode raises an exception no config check could have foreseen
+# (run_requests is what app.run calls to decode, after the weights are loaded)
+CRASH_FIRST_DECODE = """
+import runpy
+import specpipe.app as app
+real, calls = app.run_requests, []
+def run_requests(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:
+        raise RuntimeError("injected failure in the first decode")
+    return real(*args, **kwargs)
+app.run_requests = run_requests
+runpy.run_module("specpipe", run_name="__main__", alter_sys=True)
+"""
+
+
+def sweep_cmd(*args, code=None):
+    cmd = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "specpipe", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_a_crash_and_a_config_error_are_recorded_and_the_sweep_exits_1(tmp_path):
+    sweep = tmp_path / "sweep"
+    p = sweep_cmd("-m", "draft.topk=2,0,1", *SMALL, f"hydra.sweep.dir={sweep}", code=CRASH_FIRST_DECODE)
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    crash = json.loads((sweep / "0" / "error.json").read_text())
+    assert crash["crash"] is True and crash["exception"] == "RuntimeError"
+    assert crash["error"] == "crashed: RuntimeError: injected failure in the first decode"
+    assert crash["message"] == "injected failure in the first decode"
+    assert "in run_requests" in crash["traceback"] and crash["traceback"].rstrip().endswith(crash["message"])
+    config = json.loads((sweep / "1" / "error.json").read_text())
+    assert config["crash"] is False and "draft.topk=0" in config["error"]
+    done = json.loads((sweep / "2" / "metrics.json").read_text())  # the sweep went on after both failures
+    assert done["generated_tokens"] == 16 and done["model_loads_in_process"] == 1  # weights still reused
+    summary = p.stderr[p.stderr.index("2 of 3 jobs failed"):]
+    assert "job 0 (draft.topk=2): crashed: RuntimeError: injected failure in the first decode" in summary
+    assert "job 1 (draft.topk=0): invalid configuration: draft.topk=0" in summary
+    assert str(sweep / "0" / "error.json") in summary and str(sweep / "1" / "error.json") in summary
+    assert "job 2" not in summary and "resume=true" in summary
+    report_main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        errors = {r["job"]: r["error"] for r in csv.DictReader(f)}
+    assert errors == {"2": "", "0": crash["error"], "1": config["error"]}
+
+
+def test_resume_reruns_a_job_whose_metrics_json_is_damaged(tmp_path):
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "metrics.json").write_text("[1, 2]")  # valid JSON, not an object
+    p = sweep_cmd("-m", "draft.topk=2", *SMALL, f"hydra.sweep.dir={sweep}", "resume=true")
+    assert p.returncode == 0, p.stderr  # every job succeeded: no failure list, status 0
+    assert "metrics.json is not a JSON object (it holds a JSON array), so the job runs again" in p.stderr
+    assert "jobs failed" not in p.stderr
+    assert json.loads((sweep / "0" / "metrics.json").read_text())["config"]["draft"]["topk"] == 2
+
+
+def test_failure_summary_counts_only_the_jobs_of_this_sweep(tmp_path):
+    def job(name, overrides, error=None, metrics=None, age_s=0.0):
+        d = tmp_path / name
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        if error:
+            (d / "error.json").write_text(json.dumps({"error": error, "crash": False}))
+        if metrics:
+            (d / "metrics.json").write_text(json.dumps(metrics))
+        for f in d.rglob("*.*"):
+            os.utime(f, (time.time() - age_s,) * 2)
+
+    started = time.time() - 1.0
+    job("0", ["draft.topk=1"], metrics={"tokens_per_s": 5.0})
+    job("1", ["draft.topk=0"], error="specpipe: invalid configuration:\n  draft.topk=0 must be >= 1")
+    job("2", ["draft.topk=2"])  # killed: neither file
+    job("3", ["draft.topk=9"], error="specpipe: an earlier, longer sweep", age_s=3600)  # not this sweep's
+    assert failure_summary(tmp_path, since=started + 3600) is None  # nothing written since then
+    text = failure_summary(tmp_path, since=started)
+    assert text.startswith("specpipe: 2 of 3 jobs failed:\n")
+    assert "job 1 (draft.topk=0): invalid configuration: draft.topk=0 must be >= 1\n" in text  # one line each
+    assert f"    {tmp_path / '1' / 'error.json'}\n" in text
+    assert "job 2 (draft.topk=2): unfinished: no metrics.json" in text
+    assert "job 0" not in text and "job 3" not in text and "earlier, longer" not in text
