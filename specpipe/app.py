@@ -189,7 +189,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     sp = cfg.sampling
     sampled = any_sampled(cfg, reqs)
     sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device, greedy=not sampled,
-                             repetition_penalty=sp.repetition_penalty, vocab_size=pair.target.config.vocab_size,
+                             repetition_penalty=sp.repetition_penalty, max_context=max_context,
                              penalized=any(r.sampling is not None and r.sampling[3] != 1.0 for r in reqs))
     if d.method == "none":
         return PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)

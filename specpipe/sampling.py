@@ -29,14 +29,16 @@ class SamplingState:
 
     With a repetition penalty (HF's: a logit of a token already in the prompt or the output is divided by
     the penalty when positive, multiplied when negative, before temperature and top-k/top-p; greedy too),
-    `seen` [B, V] marks each request's prompt and committed tokens; `penalize_tree` adds the tokens on each
-    tree node's own path, so every node is judged against the context it would have."""
+    `context` [B, C] holds each request's prompt and committed ids (padded with its first id, which is
+    penalized anyway), so penalizing gathers and scatters C logits per row instead of passing over the
+    vocabulary; `penalize_tree` adds the tokens on each tree node's own path."""
 
     def __init__(self, temperature: float, top_p: float, top_k: int, device, greedy: Optional[bool] = None,
-                 repetition_penalty: float = 1.0, vocab_size: Optional[int] = None, penalized: bool = False):
+                 repetition_penalty: float = 1.0, max_context: Optional[int] = None, penalized: bool = False):
         """Run-level settings; `greedy` (default: temperature <= 0) is False when any request samples, even if
         the run's default is greedy (greedy rows then go through the sampling path as one-hots). `penalized`:
-        some request has a repetition penalty other than 1 (then `vocab_size` sizes `seen`)."""
+        some request has a repetition penalty other than 1; `max_context` (prompt plus output, most tokens a
+        request holds) then sizes `context`."""
         self.params = (float(temperature), float(top_p), int(top_k), float(repetition_penalty))
         self.greedy = temperature <= 0 if greedy is None else greedy
         self.dev = device
@@ -45,10 +47,11 @@ class SamplingState:
         self.top_k = torch.zeros(0, dtype=torch.int64, device=device)
         self.seed = torch.zeros(0, dtype=torch.int64, device=device)
         self.penalized = penalized or repetition_penalty != 1.0
-        if self.penalized and vocab_size is None:
-            raise ValueError("a repetition penalty needs vocab_size")
+        if self.penalized and max_context is None:
+            raise ValueError("a repetition penalty needs max_context")
         self.penalty = torch.zeros(0, dtype=torch.float64, device=device)  # cast to the logits' dtype, as HF does
-        self.seen = torch.zeros((0, vocab_size or 0), dtype=torch.bool, device=device)
+        self.context = torch.zeros((0, max_context or 0), dtype=torch.int64, device=device)
+        self.context_len = torch.zeros(0, dtype=torch.int64, device=device)
 
     def join(self, seeds: list[int], params: Optional[list] = None, contexts: Optional[list] = None) -> None:
         """New requests: their seeds, their own (temperature, top_p, top_k[, repetition_penalty]) where given
@@ -60,50 +63,70 @@ class SamplingState:
         self.top_k = torch.cat([self.top_k, torch.tensor(k, dtype=torch.int64, device=self.dev)])
         self.seed = torch.cat([self.seed, torch.tensor(seeds, dtype=torch.int64, device=self.dev)])
         if self.penalized:
+            C = self.context.shape[1]
+            ctx = torch.zeros((len(seeds), C), dtype=torch.int64)
+            lens = []
+            if contexts is None or len(contexts) != len(seeds):
+                raise ValueError("a repetition penalty needs every new request's context ids")
+            for i, ids in enumerate(contexts):
+                ids = list(ids)
+                if not 1 <= len(ids) <= C:  # never empty: an empty prompt fails before it is admitted
+                    raise ValueError(f"a context of {len(ids)} tokens (valid: 1 to max_context={C})")
+                ctx[i] = ids[0]
+                ctx[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+                lens.append(len(ids))
             self.penalty = torch.cat([self.penalty, torch.tensor(r, dtype=torch.float64, device=self.dev)])
-            seen = torch.zeros((len(seeds), self.seen.shape[1]), dtype=torch.bool)
-            for i, ids in enumerate(contexts or [[]] * len(seeds)):
-                seen[i, torch.as_tensor(list(ids), dtype=torch.int64)] = True
-            self.seen = torch.cat([self.seen, seen.to(self.dev)])
+            self.context = torch.cat([self.context, ctx.to(self.dev)])
+            self.context_len = torch.cat([self.context_len, torch.tensor(lens, dtype=torch.int64, device=self.dev)])
 
     def keep(self, keep_t: Tensor) -> None:
         self.temperature, self.top_p = self.temperature[keep_t], self.top_p[keep_t]
         self.top_k, self.seed = self.top_k[keep_t], self.seed[keep_t]
         if self.penalized:
-            self.penalty, self.seen = self.penalty[keep_t], self.seen[keep_t]
+            self.penalty, self.context = self.penalty[keep_t], self.context[keep_t]
+            self.context_len = self.context_len[keep_t]
 
-    def penalize(self, logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
-        """logits [B, ..., V], seen [B, ..., V] bool, penalty [B] -> penalized logits (HF's rule)."""
+    @staticmethod
+    def _penalized_at(logits: Tensor, idx: Tensor, penalty: Tensor) -> Tensor:
+        """logits [B, ..., V] with the entries idx [B, ..., K] penalized (HF's rule; repeated ids agree), in
+        place: the step's fresh logits, so no copy of [B, ..., V] is made."""
+        orig = logits.gather(-1, idx)
         p = penalty.view(-1, *([1] * (logits.dim() - 1))).to(logits.dtype)
-        return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+        return logits.scatter_(-1, idx, torch.where(orig > 0, orig / p, orig * p))
 
     def penalize_tree(self, logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
-        """Verify logits [B, N, V] of tree nodes tokens [B, N]; mask [B, N, N]: node j's ancestors and itself."""
+        """Verify logits [B, N, V] (changed in place) of tree nodes tokens [B, N]; mask [B, N, N]: node j's
+        ancestors and itself. Node j's context is the request's plus the tokens on its path (other nodes'
+        slots hold padding)."""
         if not self.penalized:
             return logits
         B, N = tokens.shape
-        on_path = torch.zeros((B, N, self.seen.shape[1]), dtype=logits.dtype, device=logits.device)
-        on_path.scatter_add_(2, tokens[:, None, :].expand(B, N, N), mask.to(logits.dtype))  # [B, j, v]: v on j's path
-        return self.penalize(logits, self.seen[:, None, :] | (on_path > 0), self.penalty)
+        path = torch.where(mask, tokens[:, None, :], self.context[:, :1, None])  # [B, j, i]
+        idx = torch.cat([self.context[:, None, :].expand(B, N, -1), path], -1)  # [B, N, C + N]
+        return self._penalized_at(logits, idx, self.penalty)
 
     def note(self, tokens: Tensor, count: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> None:
-        """Committed tokens [B, C] (the first count+1 of each row valid; all without count) join `seen`
+        """Committed tokens [B, K] (the first count+1 of each row valid; all without count) join the context
         (of `rows` only, when given)."""
         if not self.penalized:
             return
-        if count is not None:
-            col = torch.arange(tokens.shape[1], device=tokens.device)
-            tokens = torch.where(col[None, :] <= count[:, None], tokens, tokens[:, :1])
+        K = tokens.shape[1]
+        col = torch.arange(K, device=tokens.device)
+        n = torch.full((tokens.shape[0],), K, dtype=torch.int64, device=tokens.device) if count is None else count + 1
+        ctx = self.context if rows is None else self.context[rows]
+        lens = self.context_len if rows is None else self.context_len[rows]
+        pos = (lens[:, None] + col).clamp(max=ctx.shape[1] - 1)
+        ctx = ctx.scatter(1, pos, torch.where(col < n[:, None], tokens, ctx[:, :1]))
         if rows is None:
-            self.seen.scatter_(1, tokens, True)
+            self.context, self.context_len = ctx, lens + n
         else:
-            self.seen[rows] = self.seen[rows].scatter(1, tokens, True)
+            self.context[rows], self.context_len[rows] = ctx, lens + n
 
     def sample_next(self, logits: Tensor, position: Tensor, rows: Tensor | None = None) -> Tensor:
         """logits [B, V] -> the token at `position` [B] (argmax when greedy). rows: subset of the batch."""
         sel = (lambda x: x) if rows is None else (lambda x: x[rows])
         if self.penalized:
-            logits = self.penalize(logits, sel(self.seen), sel(self.penalty))
+            logits = self._penalized_at(logits, sel(self.context), sel(self.penalty))
         if self.greedy:
             return logits.argmax(-1)
         probs = process_logits(logits[:, None], sel(self.temperature), sel(self.top_p), sel(self.top_k))[:, 0]

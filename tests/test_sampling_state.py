@@ -26,12 +26,12 @@ def test_tree_nodes_are_penalized_for_the_prompt_the_output_and_their_own_path()
                 mask[b, j, k] = True
                 k = int(parent[b, k])
     tokens = torch.randint(0, V, (B, N), generator=g)
-    contexts = [[0, 1], [], [5, 5, 2]]
-    state = SamplingState(0.0, 1.0, 0, "cpu", vocab_size=V, penalized=True)
+    contexts = [[0, 1], [4], [5, 5, 2]]
+    state = SamplingState(0.0, 1.0, 0, "cpu", max_context=8, penalized=True)
     state.join([1, 2, 3], [None, (0.0, 1.0, 0, 1.7), (0.0, 1.0, 0, 0.6)], contexts)
     state.penalty[0] = 2.5
     logits = torch.randn(B, N, V, generator=g, dtype=torch.float64)
-    got = state.penalize_tree(logits, tokens, mask)
+    got = state.penalize_tree(logits.clone(), tokens, mask)
     for b, pen in enumerate((2.5, 1.7, 0.6)):
         for j in range(N):
             path = [int(tokens[b, k]) for k in range(N) if mask[b, j, k]]
@@ -39,10 +39,14 @@ def test_tree_nodes_are_penalized_for_the_prompt_the_output_and_their_own_path()
 
     # committed tokens join the context: the first count+1 of each row
     state.note(torch.tensor([[3, 4, 0], [1, 2, 3], [4, 4, 4]]), torch.tensor([0, 2, 1]))
-    assert state.seen.tolist() == [[c in {0, 1, 3} for c in range(V)], [c in {1, 2, 3} for c in range(V)],
-                                   [c in {2, 4, 5} for c in range(V)]]
+    flat = torch.randn(B, V, generator=g, dtype=torch.float64)
+    got = state._penalized_at(flat.clone(), state.context, state.penalty)
+    for b, (ctx, pen) in enumerate(zip(([0, 1, 3], [4, 1, 2, 3], [5, 5, 2, 4, 4]), (2.5, 1.7, 0.6))):
+        assert torch.equal(got[b], hf_penalty(flat[b], ctx, pen)), b
     state.keep(torch.tensor([2, 0]))
-    assert state.penalty.tolist() == [0.6, 2.5] and state.seen[1, 3]
+    assert state.penalty.tolist() == [0.6, 2.5] and state.context_len.tolist() == [5, 3]
+    state.note(torch.tensor([[1]]), rows=torch.tensor([1]))
+    assert state.context[1, :4].tolist() == [0, 1, 3, 1] and state.context_len.tolist() == [5, 4]
 
 
 def test_a_state_without_a_penalty_keeps_no_context():
