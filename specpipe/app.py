@@ -131,7 +131,7 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
                 continue
         elif "messages" in it:  # rendered with the model's chat template; the text is kept as the prompt
             try:
-                r.prompt, r.prompt_ids = encode_chat(tokenizer, it["messages"])
+                r.prompt, r.prompt_ids = encode_chat(tokenizer, it["messages"], **it.get("chat", {}))
             except ValueError as e:  # ChatTemplateError included
                 r.finish_reason, r.error = "error", f"the chat cannot be turned into a prompt: {e}"
                 continue

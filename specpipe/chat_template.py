@@ -70,15 +70,17 @@ class ChatTemplate:
         self.takes_content_parts = _iterates_over_content(env, source)
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opener."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
+               **kwargs: Any) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opener. `tools` and `kwargs` (a
+        line's "chat_template_kwargs", e.g. enable_thinking) reach the template as transformers passes them."""
         import jinja2
 
         if not self.takes_content_parts:
             messages = [_joined_text(m) for m in messages]
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+            return self._template.render(**{**self.special_tokens, **kwargs}, messages=messages,
+                                         add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
@@ -163,4 +165,19 @@ def check_messages(messages: Any) -> Optional[str]:
                 what = f"a part of type {kind!r}" if isinstance(kind, str) else repr(part)[:60]
                 return (f'"messages"[{i}]["content"][{j}] is {what}; this text-only pipeline takes '
                         f'{{"type": "text", "text": "..."}} parts')
+    return None
+
+
+def check_chat_options(obj: dict) -> Optional[str]:
+    """Why a chat line's "tools" (OpenAI's list of tool objects) or "chat_template_kwargs" (extra template
+    variables, e.g. Qwen3's {"enable_thinking": false}) are unusable, or None."""
+    tools = obj.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        return '"tools" must be a list of tool objects ({"type": "function", "function": {...}})'
+    kwargs = obj.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return '"chat_template_kwargs" must be an object of template variables, e.g. {"enable_thinking": false}'
+    reserved = sorted(set(kwargs or {}) & {"messages", "tools", "documents", "add_generation_prompt"})
+    if reserved:
+        return f'"chat_template_kwargs" may not set {reserved[0]!r} (give "messages" / "tools" as fields)'
     return None

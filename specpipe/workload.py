@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from specpipe.chat_template import check_messages
+from specpipe.chat_template import check_chat_options, check_messages
 from specpipe.stop_strings import check_stop
 from specpipe.errors import InputError
 from specpipe.schema import SAMPLING_RULES, is_int, sampling_problem
@@ -105,9 +105,14 @@ def parse_prompt_line(obj, where) -> dict:
                 return {"error": f'{n}: "prompt_ids" must be a list of integers', "prompt": ""}
             return {"prompt": "", "prompt_ids": ids, **extra}
         if "messages" in obj:
-            why = check_messages(obj["messages"])
-            return {"error": f"{n}: {why}", "prompt": ""} if why else \
-                {"prompt": "", "messages": obj["messages"], **extra}
+            why = check_messages(obj["messages"]) or check_chat_options(obj)
+            if why:
+                return {"error": f"{n}: {why}", "prompt": ""}
+            chat = {k: obj[k] for k in ("tools", "chat_template_kwargs") if obj.get(k) is not None}
+            return {"prompt": "", "messages": obj["messages"], **({"chat": chat} if chat else {}), **extra}
+    stray = [k for k in ("tools", "chat_template_kwargs") if k in obj]
+    if stray:
+        return {"error": f'{n}: "{stray[0]}" goes with "messages" (a chat), not with a plain prompt', "prompt": ""}
     if not isinstance(obj, dict) or "prompt" not in obj:
         return {"error": f'{n}: missing the "prompt" field (or "prompt_ids", or "messages")', "prompt": ""}
     if not isinstance(obj["prompt"], str):

@@ -182,3 +182,37 @@ def test_openai_content_parts(tmp_path):
     assert """"messages"[0]["content"][0] is a part of type 'image_url'""" in items[1]["error"]
     assert "must be a string, a list of text parts" in items[2]["error"] and "got int" in items[2]["error"]
     assert """"messages"[0]["content"][0] is a text part without a string "text" field""" in items[4]["error"]
+
+THINKING = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+            "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add ünits", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}}}]
+
+
+def test_tools_and_chat_template_kwargs_reach_the_template(tmp_path):
+    """A line's "tools" and "chat_template_kwargs" (Qwen3's enable_thinking) render as transformers'
+    apply_chat_template(messages, tools=..., **kwargs) renders them; they belong to chats only."""
+    transformers = pytest.importorskip("transformers")
+    folder = model_folder(tmp_path, THINKING)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|bos|>",
+                                              eos_token="<|eot|>", chat_template=THINKING)
+    lines = [{"messages": CHATS[0], "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}},
+             {"messages": CHATS[0]}, {"prompt": "x", "tools": TOOLS},
+             {"messages": CHATS[0], "chat_template_kwargs": ["enable_thinking"]},
+             {"messages": CHATS[0], "chat_template_kwargs": {"messages": []}}, {"messages": CHATS[0], "tools": "add"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    items = read_prompts_file(str(path))
+    tok = ours(folder)
+    reqs = make_requests(items, tok, 8, 4096, tok.vocab_size)
+    want = hf.apply_chat_template(CHATS[0], tools=TOOLS, enable_thinking=False, tokenize=False,
+                                  add_generation_prompt=True)
+    assert reqs[0].prompt == want and "<think>\n\n</think>" in want and '"Add ünits"' in want
+    assert reqs[1].prompt == hf.apply_chat_template(CHATS[0], tokenize=False, add_generation_prompt=True)
+    assert "<tools>" not in reqs[1].prompt and "<think>" not in reqs[1].prompt
+    assert '"tools" goes with "messages"' in reqs[2].error
+    assert '"chat_template_kwargs" must be an object' in reqs[3].error
+    assert """"chat_template_kwargs" may not set 'messages'""" in reqs[4].error
+    assert '"tools" must be a list of tool objects' in reqs[5].error
