@@ -69,18 +69,24 @@ class ChatTemplate:
         self.origin = origin
         self.takes_content_parts = _iterates_over_content(env, source)
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self.alternates: dict[str, "ChatTemplate"] = {}  # other named templates of the folder ("tool_use")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
-               **kwargs: Any) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opener. `tools` and `kwargs` (a
-        line's "chat_template_kwargs", e.g. enable_thinking) reach the template as transformers passes them."""
+               documents: Optional[list] = None, **kwargs: Any) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opener. `tools`, `documents` and
+        `kwargs` (a line's "chat_template_kwargs", e.g. enable_thinking) reach the template as transformers
+        passes them; with tools, a folder's "tool_use" template renders instead of the default one."""
         import jinja2
 
+        if tools is not None and "tool_use" in self.alternates:
+            return self.alternates["tool_use"].render(messages, add_generation_prompt, tools, documents, **kwargs)
+        messages = [_as_transformers_passes_it(m) for m in messages]
         if not self.takes_content_parts:
             messages = [_joined_text(m) for m in messages]
         try:
             return self._template.render(**{**self.special_tokens, **kwargs}, messages=messages,
-                                         add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
+                                         add_generation_prompt=add_generation_prompt, tools=tools,
+                                         documents=documents)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
@@ -103,6 +109,17 @@ def _iterates_over_content(env, source: str) -> bool:
     return False
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # names of a turn's reasoning; the first is standard
+
+
+def _as_transformers_passes_it(message: dict) -> dict:
+    """transformers 5 drops keys whose value is None (OpenAI dumps hold "tool_calls": null, which templates
+    test with `in`) and fills "reasoning_content" and "thinking" from whichever reasoning field is set."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def _joined_text(message: dict) -> dict:
     """A message whose content is a list of text parts, as one string (parts joined by newlines, as vLLM does)."""
     content = message.get("content")
@@ -112,7 +129,9 @@ def _joined_text(message: dict) -> dict:
 
 
 def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
-    """The folder's chat template (chat_template.jinja first, as transformers reads it), or None."""
+    """The folder's default chat template, or None; its `alternates` hold the folder's other named templates
+    (`tool_use`). As transformers reads them: chat_template.jinja and additional_chat_templates/*.jinja when
+    present, else tokenizer_config.json's "chat_template" (a string, or a list of named templates)."""
     folder = Path(folder)
     config_file = folder / "tokenizer_config.json"
     config: dict = {}
@@ -124,22 +143,34 @@ def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
         if not isinstance(config, dict):
             raise ChatTemplateError(f"{config_file}: expected a JSON object at the top level")
     special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), special, str(jinja_file))
+    named: dict[str, tuple[str, str]] = {}  # name -> (source, origin)
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-        if source is None:
-            raise ChatTemplateError(f"{config_file}: field 'chat_template' lists templates "
-                                    f"{sorted(n for n in named if n)} but none named 'default'")
-    if source is None:
-        return None
-    if not isinstance(source, str):
+        for t in source:
+            if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str):
+                named[t["name"]] = (t["template"], f"{config_file} field 'chat_template' ({t['name']})")
+    elif isinstance(source, str):
+        named["default"] = (source, f"{config_file} field 'chat_template'")
+    elif source is not None:
         raise ChatTemplateError(f"{config_file}: field 'chat_template' must be a string or a list of named "
                                 f"templates, got {type(source).__name__}")
-    return ChatTemplate(source, special, f"{config_file} field 'chat_template'")
+    files = {"default": folder / "chat_template.jinja"}  # template files win over the config, as in transformers
+    extra_dir = folder / "additional_chat_templates"
+    if extra_dir.is_dir():
+        files.update({f.stem: f for f in sorted(extra_dir.glob("*.jinja"))})
+    where = f"{config_file}: field 'chat_template'"
+    if any(f.is_file() for f in files.values()):
+        named = {name: (f.read_text(), str(f)) for name, f in files.items() if f.is_file()}
+        where = f"{folder}: chat_template.jinja and {extra_dir.name}/"
+    if not named:
+        return None
+    if "default" not in named:
+        raise ChatTemplateError(f"{where} lists templates {sorted(named)} but none named 'default' (the "
+                                f"template for chats without tools)")
+    src, origin = named.pop("default")
+    default = ChatTemplate(src, special, origin)
+    default.alternates = {name: ChatTemplate(text, special, where) for name, (text, where) in named.items()}
+    return default
 
 
 def check_messages(messages: Any) -> Optional[str]:
@@ -169,15 +200,19 @@ def check_messages(messages: Any) -> Optional[str]:
 
 
 def check_chat_options(obj: dict) -> Optional[str]:
-    """Why a chat line's "tools" (OpenAI's list of tool objects) or "chat_template_kwargs" (extra template
-    variables, e.g. Qwen3's {"enable_thinking": false}) are unusable, or None."""
+    """Why a chat line's "tools" (OpenAI's list of tool objects), "documents" (for RAG templates) or
+    "chat_template_kwargs" (extra template variables, e.g. Qwen3's {"enable_thinking": false}) are unusable,
+    or None."""
     tools = obj.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         return '"tools" must be a list of tool objects ({"type": "function", "function": {...}})'
+    docs = obj.get("documents")
+    if docs is not None and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
+        return '"documents" must be a list of objects (e.g. {"title": ..., "text": ...})'
     kwargs = obj.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         return '"chat_template_kwargs" must be an object of template variables, e.g. {"enable_thinking": false}'
     reserved = sorted(set(kwargs or {}) & {"messages", "tools", "documents", "add_generation_prompt"})
     if reserved:
-        return f'"chat_template_kwargs" may not set {reserved[0]!r} (give "messages" / "tools" as fields)'
+        return f'"chat_template_kwargs" may not set {reserved[0]!r} (give "messages", "tools", "documents" as fields)'
     return None

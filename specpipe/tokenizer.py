@@ -57,7 +57,7 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-def encode_chat(tokenizer, messages: list[dict], tools: Optional[list] = None,
+def encode_chat(tokenizer, messages: list[dict], tools: Optional[list] = None, documents: Optional[list] = None,
                 chat_template_kwargs: Optional[dict] = None) -> tuple[str, list[int]]:
     """(prompt text, ids) of a chat, rendered with the model folder's chat template (`load_tokenizer` attaches
     it as `tokenizer.chat_template`); a ChatTemplateError when the model has none or it refuses the chat."""
@@ -69,7 +69,7 @@ def encode_chat(tokenizer, messages: list[dict], tools: Optional[list] = None,
             "this model folder has no chat template (chat_template.jinja, or 'chat_template' in "
             "tokenizer_config.json); give the conversation as one \"prompt\" string in the model's format")
         raise ChatTemplateError(why)
-    text = template.render(messages, tools=tools, **(chat_template_kwargs or {}))
+    text = template.render(messages, tools=tools, documents=documents, **(chat_template_kwargs or {}))
     return text, getattr(tokenizer, "encode_plain", tokenizer.encode)(text)
 
 

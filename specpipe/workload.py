@@ -108,9 +108,9 @@ def parse_prompt_line(obj, where) -> dict:
             why = check_messages(obj["messages"]) or check_chat_options(obj)
             if why:
                 return {"error": f"{n}: {why}", "prompt": ""}
-            chat = {k: obj[k] for k in ("tools", "chat_template_kwargs") if obj.get(k) is not None}
+            chat = {k: obj[k] for k in ("tools", "documents", "chat_template_kwargs") if obj.get(k) is not None}
             return {"prompt": "", "messages": obj["messages"], **({"chat": chat} if chat else {}), **extra}
-    stray = [k for k in ("tools", "chat_template_kwargs") if k in obj]
+    stray = [k for k in ("tools", "documents", "chat_template_kwargs") if k in obj]
     if stray:
         return {"error": f'{n}: "{stray[0]}" goes with "messages" (a chat), not with a plain prompt', "prompt": ""}
     if not isinstance(obj, dict) or "prompt" not in obj:

@@ -216,3 +216,47 @@ def test_tools_and_chat_template_kwargs_reach_the_template(tmp_path):
     assert '"chat_template_kwargs" must be an object' in reqs[3].error
     assert """"chat_template_kwargs" may not set 'messages'""" in reqs[4].error
     assert '"tools" must be a list of tool objects' in reqs[5].error
+
+
+# Llama-3.1 style: tool calls tested with `in`; a reasoning field; documents (Granite style)
+OPENAI_DUMP = ("{% for m in messages %}<|start|>{{ m.role }}<|end|>{% if 'tool_calls' in m %}CALLS{{ m.tool_calls | length }}"
+               "{% else %}{{ m.content }}{% endif %}{% if m.reasoning_content %}[{{ m.reasoning_content }}|{{ m.thinking }}]"
+               "{% endif %}<|eot|>{% endfor %}{% if documents %}{% for d in documents %}<doc>{{ d.text }}</doc>"
+               "{% endfor %}{% endif %}<|start|>assistant<|end|>")
+
+
+def test_messages_reach_the_template_as_transformers_passes_them(tmp_path):
+    """None-valued keys dropped ("tool_calls": null from OpenAI dumps), "reasoning" aliased to reasoning_content
+    and thinking, documents passed: the text equals apply_chat_template's."""
+    transformers = pytest.importorskip("transformers")
+    folder = model_folder(tmp_path, OPENAI_DUMP)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|bos|>",
+                                              eos_token="<|eot|>", chat_template=OPENAI_DUMP)
+    chat = [{"role": "user", "content": "hi", "tool_calls": None},
+            {"role": "assistant", "content": "ok", "reasoning": "because", "name": None},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}, {"id": "2"}]}]
+    docs = [{"title": "a", "text": "Doc one."}]
+    text, _ = encode_chat(ours(folder), chat, documents=docs)
+    assert text == hf.apply_chat_template(chat, documents=docs, tokenize=False, add_generation_prompt=True)
+    assert "hi<|eot|>" in text and "[because|because]" in text and "CALLS2" in text and "<doc>Doc one.</doc>" in text
+
+
+def test_tools_pick_the_tool_use_template(tmp_path):
+    """A folder with a "tool_use" template (a named list in tokenizer_config.json, or
+    additional_chat_templates/tool_use.jinja) renders chats with tools through it, as transformers does."""
+    transformers = pytest.importorskip("transformers")
+    tool_use = "TOOLS{{ tools | length }}|" + QWEN
+    folder = model_folder(tmp_path, [{"name": "default", "template": QWEN}, {"name": "tool_use", "template": tool_use}])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|bos|>",
+                                              eos_token="<|eot|>",
+                                              chat_template={"default": QWEN, "tool_use": tool_use})
+    tok = ours(folder)
+    for tools in (None, TOOLS):
+        got = encode_chat(tok, CHATS[1], tools=tools)[0]
+        assert got == hf.apply_chat_template(CHATS[1], tools=tools, tokenize=False, add_generation_prompt=True)
+        assert got.startswith("TOOLS1|") == (tools is not None)
+    files = model_folder(tmp_path / "files", QWEN, jinja_file=True)
+    (files / "additional_chat_templates").mkdir()
+    (files / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    assert encode_chat(ours(files), CHATS[1], tools=TOOLS)[0] == encode_chat(tok, CHATS[1], tools=TOOLS)[0]
+    assert encode_chat(ours(files), CHATS[1])[0] == encode_chat(tok, CHATS[1])[0]
