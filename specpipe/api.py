@@ -191,7 +191,8 @@ class SpecPipe:
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
                stop: Optional[str | Sequence[str]] = None, **sampling) -> Iterator[StreamEvent]:
         """`generate` as an iterator of StreamEvents, in the order tokens are committed (`sampling`: its
-        temperature / top_p / top_k / repetition_penalty). Decoding runs in a worker thread; leaving the loop early stops it."""
+        temperature / top_p / top_k / repetition_penalty). Decoding runs in a worker thread; leaving the loop
+        early stops it."""
         import queue
         import threading
 

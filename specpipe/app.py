@@ -348,7 +348,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     sp = cfg.sampling
     summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-                           "repetition_penalty": sp.repetition_penalty, "source": sampling_source, "per_request": sum(r.sampling is not None for r in reqs)}
+                           "repetition_penalty": sp.repetition_penalty, "source": sampling_source,
+                           "per_request": sum(r.sampling is not None for r in reqs)}
     unapplied = dict(pair.target.config.extra.get("unapplied_generation_settings") or {})
     if cfg.sampling.get("from_model"):
         unapplied.pop("repetition_penalty", None)  # taken with the sampling settings

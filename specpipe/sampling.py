@@ -56,7 +56,8 @@ class SamplingState:
     def join(self, seeds: list[int], params: Optional[list] = None, contexts: Optional[list] = None) -> None:
         """New requests: their seeds, their own (temperature, top_p, top_k[, repetition_penalty]) where given
         (None: the run's), and with a penalty their context ids (prompt, and any output before a retraction)."""
-        rows = [tuple(q) + self.params[len(q):] if q is not None else self.params for q in (params or [None] * len(seeds))]
+        rows = [tuple(q) + self.params[len(q):] if q is not None else self.params
+                for q in (params or [None] * len(seeds))]
         t, p, k, r = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
         self.temperature = torch.cat([self.temperature, torch.tensor(t, dtype=torch.float32, device=self.dev)])
         self.top_p = torch.cat([self.top_p, torch.tensor(p, dtype=torch.float32, device=self.dev)])
