@@ -15,9 +15,13 @@ CLI's one-paragraph message.
 """
 from __future__ import annotations
 
+import atexit
+import queue
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
 
@@ -38,7 +42,9 @@ class _Deltas:
     only a window from the last emitted character boundary (vLLM/TGI's prefix/read offsets), so streaming a
     long output costs O(new tokens) per event, not O(output). Text is held back while the window ends in a
     partial UTF-8 character or byte-fallback token (decoded as U+FFFD), so every event's text is final; the
-    last event reconciles with a full decode so the deltas always add up to the completion's text."""
+    last event reconciles with a full decode so the deltas add up to the completion's text (except where a
+    byte-fallback decoder turns already sent bytes into U+FFFD because later bytes make them invalid UTF-8:
+    text already sent is never sent again)."""
 
     def __init__(self, decode, sink):
         self.decode, self.sink = decode, sink
@@ -57,7 +63,9 @@ class _Deltas:
                 self.closed.add(r.index)
                 self.state.pop(r.index)
                 sent, text = "".join(st[3]), self.decode(ids)
-                delta = text[len(sent):] if text.startswith(sent) else text
+                # a byte-fallback decoder can rewrite bytes already sent (later bytes made them invalid
+                # UTF-8): then only what extends past the sent length goes out, never the text again
+                delta = text[len(sent):]
             else:
                 delta = self._advance(st, ids)
             st[0] = len(ids)
@@ -76,6 +84,103 @@ class _Deltas:
 
 class _Cancelled(Exception):
     pass
+
+
+class _Decoding:
+    """One decode at a time per process: the loaded weights and their KV pools are shared (`load_pair`
+    caches them), so concurrent calls from several threads (or SpecPipe objects) take turns."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.owner: Optional[int] = None
+
+    def __enter__(self):
+        if self.owner == threading.get_ident():
+            raise SpecpipeError("specpipe: generate() was called while this thread is already decoding (from an "
+                                "on_event callback); collect what the callback needs and call generate() after "
+                                "the running call returns")
+        self.lock.acquire()
+        self.owner = threading.get_ident()
+
+    def __exit__(self, *exc):
+        self.owner = None
+        self.lock.release()
+
+
+_DECODING = _Decoding()
+_LIVE_STREAMS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_streams() -> None:
+    """A stream left open at exit: stop its worker before the interpreter tears torch down under it."""
+    for st in list(_LIVE_STREAMS):
+        st.close()
+
+
+class Stream:
+    """StreamEvents of a `SpecPipe.stream` call, decoded by a worker thread. Iterate it; `close()` (or a
+    `with` block, or dropping it) stops decoding at the next step."""
+
+    def __init__(self, generate: Callable[[Callable], Any]):
+        self._events: "queue.Queue" = queue.Queue()
+        self._cancel = threading.Event()
+        self._done = object()
+        self._closed = False
+
+        def sink(ev: StreamEvent) -> None:
+            if self._cancel.is_set():
+                raise _Cancelled()
+            self._events.put(ev)
+
+        def work() -> None:
+            try:
+                generate(sink)
+            except _Cancelled:
+                pass
+            except BaseException as e:  # re-raised in the caller's thread
+                self._events.put(e)
+            self._events.put(self._done)
+
+        self._worker = threading.Thread(target=work, name="specpipe-stream", daemon=True)
+        _LIVE_STREAMS.add(self)
+        self._worker.start()
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> StreamEvent:
+        if self._closed:
+            raise StopIteration
+        ev = self._events.get()
+        if ev is self._done:
+            self.close()
+            raise StopIteration
+        if isinstance(ev, BaseException):
+            self.close()
+            raise ev
+        return ev
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel.set()
+        if self._worker is not threading.current_thread():
+            self._worker.join()
+        _LIVE_STREAMS.discard(self)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 @dataclass
@@ -103,13 +208,32 @@ def prompt_item(p: Any, n: int) -> dict:
     return parse_prompt_line(p, f"prompt {n}")
 
 
+def check_out_dir(out_dir) -> None:
+    """A SpecpipeError unless out_dir is (or can be made) a writable folder; checked before decoding."""
+    import os
+
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
+        raise SpecpipeError(f"specpipe: out_dir={out_dir!r} must be a folder path (None: write no files)")
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise SpecpipeError(f"specpipe: out_dir={str(out_dir)!r} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".specpipe-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SpecpipeError(f"specpipe: out_dir={str(out_dir)!r} cannot be written ({e.strerror or e}); give a "
+                            f"writable folder") from None
+
+
 class SpecPipe:
     def __init__(self, *overrides: str):
-        from specpipe.app import load_pair
+        from specpipe.app import check_topk, load_pair
         from specpipe.build import build
         from specpipe.cli_errors import compose_config, precheck
 
-        bad = [o for o in overrides if not isinstance(o, str) or "=" not in o]
+        bad = [o for o in overrides if not isinstance(o, str) or "=" not in o or o.startswith("-")]
         if bad:
             raise SpecpipeError(f"specpipe: overrides are 'key=value' strings as on the command line "
                                 f"(e.g. 'draft.topk=4', 'allocator=paged'); got {bad[0]!r}")
@@ -120,6 +244,7 @@ class SpecPipe:
         self.device = build(self.cfg.device, "device")
         self.dtype = self.cfg.model.get("dtype") or self.cfg.device.dtype
         self.pair = load_pair(self.cfg, self.dtype, self.device)
+        check_topk(self.cfg, self.pair)  # what generate() would refuse, said now
         self.metrics: Optional[dict] = None  # the last generate() call's metrics (metrics.json's content)
 
     @property
@@ -140,11 +265,14 @@ class SpecPipe:
         from omegaconf import OmegaConf
 
         from specpipe.app import run
-        from specpipe.schema import is_int
+        from specpipe.schema import is_int, sampling_problem
         from specpipe.stop_strings import check_stop
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif isinstance(prompts, (bytes, bytearray)):
+            raise SpecpipeError("specpipe: prompts must be text (str), token id lists or chat dicts, not bytes; "
+                                "decode them first (prompt.decode('utf-8'))")
         elif not isinstance(prompts, (list, tuple)):
             try:
                 prompts = list(prompts)  # a generator, a dataset column
@@ -161,6 +289,10 @@ class SpecPipe:
         sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                       ("repetition_penalty", repetition_penalty))
                     if v is not None}
+        for key, v in sampling.items():  # as strictly as a prompt's own values: "0.7" is not a number
+            why = sampling_problem(key, v)
+            if why:
+                raise SpecpipeError(f"specpipe: {key}={v!r} {why}")
         if sampling:  # this call's values win over the model's generation_config (from_model) and sampling.*
             from specpipe.app import model_sampling
 
@@ -170,8 +302,8 @@ class SpecPipe:
             except Exception as e:  # a type OmegaConf cannot convert: the same words as the CLI's
                 raise SpecpipeError(f"specpipe: invalid sampling argument {sampling}: {str(e).splitlines()[0]}") \
                     from None
-        if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-            raise SpecpipeError(f"specpipe: out_dir={str(out_dir)!r} is a file, not a folder")
+        if out_dir is not None:
+            check_out_dir(out_dir)
         items = [prompt_item(p, n) for n, p in enumerate(prompts)]
         if stop is not None:
             why = check_stop(stop)
@@ -180,47 +312,20 @@ class SpecPipe:
             extra = [stop] if isinstance(stop, str) else list(stop)
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
         deltas = _Deltas(self.pair.tokenizer.decode, on_event) if on_event is not None else None
-        out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items, on_step=deltas)
-        if deltas is not None:  # requests that never ran (bad prompts) get their one, final event
-            deltas(out["requests"])
+        with _DECODING:
+            out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items, on_step=deltas)
+            if deltas is not None:  # requests that never ran (bad prompts) get their one, final event
+                deltas(out["requests"])
         self.metrics = out["metrics"]
         decode = self.pair.tokenizer.decode
         return [Completion(r.index, r.prompt, list(r.output_ids), decode(r.output_ids), r.finish_reason, r.error)
                 for r in out["requests"]]
 
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
-               stop: Optional[str | Sequence[str]] = None, **sampling) -> Iterator[StreamEvent]:
-        """`generate` as an iterator of StreamEvents, in the order tokens are committed (`sampling`: its
-        temperature / top_p / top_k / repetition_penalty). Decoding runs in a worker thread; leaving the loop
-        early stops it."""
-        import queue
-        import threading
-
-        events: "queue.Queue" = queue.Queue()
-        cancel = threading.Event()
-        done = object()
-
-        def sink(ev: StreamEvent) -> None:
-            if cancel.is_set():
-                raise _Cancelled()
-            events.put(ev)
-
-        def work() -> None:
-            try:
-                self.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, on_event=sink, **sampling)
-            except _Cancelled:
-                pass
-            except BaseException as e:  # re-raised in the caller's thread
-                events.put(e)
-            events.put(done)
-
-        worker = threading.Thread(target=work, name="specpipe-stream", daemon=True)
-        worker.start()
-        try:
-            while (ev := events.get()) is not done:
-                if isinstance(ev, BaseException):
-                    raise ev
-                yield ev
-        finally:
-            cancel.set()
-            worker.join()
+               stop: Optional[str | Sequence[str]] = None, **sampling) -> Stream:
+        """`generate` as a `Stream` of StreamEvents, in the order tokens are committed (`sampling`: its
+        temperature / top_p / top_k / repetition_penalty). Decoding runs in a worker thread; closing the
+        stream (`close()`, a `with` block, or the end of a `for` loop over an unnamed stream) stops it at
+        the next step."""
+        return Stream(lambda sink: self.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, on_event=sink,
+                                                 **sampling))

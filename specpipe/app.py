@@ -176,7 +176,9 @@ def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, d
 def any_sampled(cfg: DictConfig, reqs: list[Request]) -> bool:
     """Whether any request samples (the run's temperature, or a prompt's own): the greedy-only fast paths
     are then off and greedy requests ride the sampling path as one-hots (the same tokens)."""
-    return cfg.sampling.temperature > 0 or any(r.sampling is not None and r.sampling[0] > 0 for r in reqs)
+    from specpipe.stages.verify_sampling import GREEDY_TEMPERATURE as G
+
+    return cfg.sampling.temperature >= G or any(r.sampling is not None and r.sampling[0] >= G for r in reqs)
 
 
 def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request], metrics: Metrics):
@@ -267,7 +269,12 @@ def allocation_size(e: BaseException) -> str:
 
 
 def check_topk(cfg: DictConfig, pair) -> None:
-    """Model drafters pick draft.topk tokens of the draft's vocabulary per expansion: no more than it has."""
+    """Settings the loaded model bounds: draft.topk (model drafters pick that many tokens of the draft's
+    vocabulary per expansion) and workload.max_new_tokens (prompt and output share the model's context)."""
+    ctx = pair.target.config.max_position_embeddings
+    if cfg.workload.max_new_tokens >= ctx:
+        raise ConfigError(f"workload.max_new_tokens={cfg.workload.max_new_tokens} leaves no room for a prompt in "
+                          f"the model's context of {ctx} tokens (max_position_embeddings); use at most {ctx - 1}")
     d = cfg.draft
     if d.method not in ("eagle", "standalone"):
         return  # n-gram topk counts matches, not vocabulary entries

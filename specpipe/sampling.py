@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from specpipe.stages.verify_sampling import process_logits, sample_tokens, uniform_coins
+from specpipe.stages.verify_sampling import GREEDY_TEMPERATURE, process_logits, sample_tokens, uniform_coins
 
 STREAM_PLAIN = 4  # coins of tokens sampled outside a verify tree (prefill, draft=none); 1-3 are the verifier's
 
@@ -35,12 +35,12 @@ class SamplingState:
 
     def __init__(self, temperature: float, top_p: float, top_k: int, device, greedy: Optional[bool] = None,
                  repetition_penalty: float = 1.0, max_context: Optional[int] = None, penalized: bool = False):
-        """Run-level settings; `greedy` (default: temperature <= 0) is False when any request samples, even if
+        """Run-level settings; `greedy` (default: temperature < GREEDY_TEMPERATURE) is False when any request samples, even if
         the run's default is greedy (greedy rows then go through the sampling path as one-hots). `penalized`:
         some request has a repetition penalty other than 1; `max_context` (prompt plus output, most tokens a
         request holds) then sizes `context`."""
         self.params = (float(temperature), float(top_p), int(top_k), float(repetition_penalty))
-        self.greedy = temperature <= 0 if greedy is None else greedy
+        self.greedy = temperature < GREEDY_TEMPERATURE if greedy is None else greedy
         self.dev = device
         self.temperature = torch.zeros(0, device=device)
         self.top_p = torch.zeros(0, device=device)

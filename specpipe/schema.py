@@ -221,9 +221,9 @@ class SamplingConf:
 # what a temperature / top_p / top_k / repetition_penalty may be: (integer only, valid, its words); one rule for sampling.*, a prompt's
 # own values and a model's generation_config.json
 SAMPLING_RULES = {
-    "temperature": (False, lambda v: 0 <= v < float("inf"), ">= 0 and finite (0 is greedy)"),
+    "temperature": (False, lambda v: 0 <= v < float("inf"), ">= 0 and finite (0, or below 1e-5, is greedy)"),
     "top_p": (False, lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (True, lambda v: v >= 0, ">= 0"),
+    "top_k": (True, lambda v: 0 <= v < 2 ** 31, ">= 0 and below 2**31"),
     "repetition_penalty": (False, lambda v: 0 < v < float("inf"), "> 0 and finite (1 is off)"),
 }
 

@@ -1,8 +1,8 @@
 """Stop strings: a request ends at the token that completes one of its stop strings (HF `stop_strings`).
 
 Checked on the host as committed tokens are appended, over a window of the newest tokens only (long
-enough to hold the longest stop string: every token decodes to at least one character, the margin covers
-special tokens that decode to nothing), so the cost per token does not grow with the output. The tokens
+enough to hold the longest stop string: every token stands for at least one byte of text (byte-level and
+byte-fallback tokens exactly one), the margin covers special tokens that decode to nothing), so the cost per token does not grow with the output. The tokens
 are kept up to and including the completing one, so the text ends with (or just past) the stop string.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ class StopStrings:
     def __init__(self, stops: Sequence[str], decode: Callable[[list], str]):
         self.stops = tuple(stops)
         self.decode = decode
-        self.window = max(map(len, self.stops)) + 8
+        self.window = max(len(s.encode("utf-8")) for s in self.stops) + 8  # a token is at least one byte
 
     def hit(self, output_ids: list) -> bool:
         """Whether the newest token completed a stop string (called after every appended token)."""

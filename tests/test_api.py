@@ -93,9 +93,9 @@ def test_per_call_sampling():
     again = sp.generate([{"prompt": p, "seed": 3} for p in PROMPTS], max_new_tokens=16, temperature=1.5, top_k=40)
     assert [c.output_ids for c in again] == [c.output_ids for c in hot]  # seeded: reproducible
     assert sp.generate(PROMPTS, max_new_tokens=16)[0].output_ids == greedy[0].output_ids  # the call's own setting
-    with pytest.raises(SpecpipeError, match=r"sampling.temperature=-1.0 must be >= 0"):
+    with pytest.raises(SpecpipeError, match=r"temperature=-1 must be a number >= 0 and finite"):
         sp.generate(PROMPTS, temperature=-1)
-    with pytest.raises(SpecpipeError, match="invalid sampling argument"):
+    with pytest.raises(SpecpipeError, match="top_k=.many. must be an integer >= 0"):
         sp.generate(PROMPTS, top_k="many")
 
 
@@ -165,3 +165,96 @@ def test_prompts_of_the_wrong_type(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(SpecpipeError, match="out_dir=.* is a file, not a folder"):
         sp.generate(["ok"], out_dir=str(tmp_path / "f"))
+
+
+def test_calls_from_several_threads_take_turns_and_reentry_is_refused():
+    import threading
+
+    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")
+    other = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")  # shares the loaded weights and KV pools
+    want = {p: sp.generate([p] * 3, max_new_tokens=12)[0].output_ids for p in PROMPTS}
+    got, errors = {}, []
+
+    def work(obj, p):
+        try:
+            got[p] = [c.output_ids for c in obj.generate([p] * 3, max_new_tokens=12)]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(obj, p)) for obj, p in zip((sp, other, sp), PROMPTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(got[p] == [want[p]] * 3 for p in PROMPTS)
+
+    def nested(ev):
+        sp.generate(["x"], max_new_tokens=2)
+
+    with pytest.raises(SpecpipeError, match="called while this thread is already decoding"):
+        sp.generate(PROMPTS[:1], max_new_tokens=4, on_event=nested)
+    assert sp.generate(PROMPTS[:1], max_new_tokens=12)[0].output_ids == want[PROMPTS[0]]
+
+
+def test_a_stream_left_open_is_closed_by_with_close_or_exit(tmp_path):
+    import subprocess
+    import sys
+    import threading
+
+    sp = SpecPipe(*BASE)
+    with sp.stream(PROMPTS * 4, max_new_tokens=40) as events:
+        next(events)
+    assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
+    named = sp.stream(PROMPTS, max_new_tokens=12)
+    for _ in named:
+        break  # a named stream stays open after break: generate() waits for it, and is still right
+    assert [c.output_ids for c in sp.generate(PROMPTS, max_new_tokens=12)] == \
+        [c.output_ids for c in SpecPipe(*BASE).generate(PROMPTS, max_new_tokens=12)]
+    named.close()
+    script = tmp_path / "leave_open.py"
+    script.write_text("from specpipe import SpecPipe\n"
+                      "s = SpecPipe('model=random_tiny', 'device.num_threads=1').stream(['def f(x):'] * 8, "
+                      "max_new_tokens=64)\nnext(s)\nprint('left open')\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "left open" in p.stdout, (p.returncode, p.stderr[-500:])
+
+
+def test_api_inputs_refused_or_handled_before_decoding(tmp_path):
+    sp = SpecPipe(*BASE)
+    greedy = sp.generate(PROMPTS, max_new_tokens=8)
+    tiny = sp.generate(PROMPTS, max_new_tokens=8, temperature=1e-40)  # subnormal: greedy, not inf logits
+    assert [c.output_ids for c in tiny] == [c.output_ids for c in greedy]
+    mixed = sp.generate([{"prompt": "a", "top_k": 2 ** 63, "temperature": 1.0}, "b"], max_new_tokens=4)
+    assert "below 2**31" in mixed[0].error and mixed[1].error is None  # fails alone
+    with pytest.raises(SpecpipeError, match="temperature='0.7' must be a number"):
+        sp.generate(PROMPTS, temperature="0.7")
+    with pytest.raises(SpecpipeError, match="not bytes"):
+        sp.generate(b"def")
+    with pytest.raises(SpecpipeError, match="out_dir='' must be a folder path"):
+        sp.generate(PROMPTS, out_dir="")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SpecpipeError, match="cannot be written"):
+        sp.generate(PROMPTS, out_dir=str(tmp_path / "f" / "sub"))
+    with pytest.raises(SpecpipeError, match="workload.max_new_tokens=2048 leaves no room for a prompt in the "
+                                            "model's context of 2048 tokens"):
+        sp.generate(PROMPTS, max_new_tokens=2048)
+    with pytest.raises(SpecpipeError, match="overrides are 'key=value' strings"):
+        SpecPipe("--cfg=job")
+    with pytest.raises(SpecpipeError, match="draft.topk=300 is larger than the draft's vocabulary"):
+        SpecPipe("model=random_tiny", "draft.topk=300")
+
+
+def test_stream_text_never_repeats_when_a_decoder_rewrites_sent_bytes():
+    """HF's ByteFallback decoder turns a whole run of byte tokens into U+FFFD when later bytes make it invalid
+    UTF-8: text already sent cannot be taken back, and it is never sent twice."""
+
+    def decode(ids):  # ids are bytes; a trailing run that is not valid UTF-8 becomes U+FFFD per byte
+        raw = bytes(ids)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw[:1].decode("utf-8", "replace") + "\ufffd" * (len(raw) - 1)
+
+    events = _feed(decode, [[120], [120, 0xC3], [120, 0xC3, 0xA9], [120, 0xC3, 0xA9, 0xC3]])
+    texts = [e.text for e in events]
+    assert texts[:3] == ["x", "", "é"] and "x" not in texts[3] and len("".join(texts)) == len(decode([120, 0xC3, 0xA9, 0xC3]))

@@ -53,9 +53,9 @@ def test_bad_per_prompt_sampling_fails_the_request(pair, tmp_path):
     cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
                   "workload.max_new_tokens=4")
     reqs = run(cfg, quiet=True, pair=pair)["requests"]
-    assert '"temperature" must be a number >= 0 and finite (0 is greedy), got -1' in reqs[0].error
+    assert '"temperature" must be a number >= 0 and finite (0, or below 1e-5, is greedy), got -1' in reqs[0].error
     assert '"top_p" must be a number in (0, 1], got 0' in reqs[1].error
-    assert '"top_k" must be an integer >= 0, got 2.5' in reqs[2].error
+    assert '"top_k" must be an integer >= 0 and below 2**31, got 2.5' in reqs[2].error
     assert "got 'hot'" in reqs[3].error and reqs[4].error is None
 
 

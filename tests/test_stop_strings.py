@@ -78,3 +78,14 @@ def test_ignore_eos_runs_every_request_to_its_limit(tmp_path, pair):
     assert all(r.finish_reason == "length" and len(r.output_ids) == 40 for r in forced)
     for n, f in zip(normal, forced):  # the same tokens up to where the normal run stopped
         assert f.output_ids[:len(n.output_ids)] == n.output_ids
+
+
+def test_long_non_ascii_stop_strings_fit_the_window_of_byte_tokens():
+    """A byte-level tokenizer spends up to 4 tokens per character: the window counts bytes, not characters."""
+    from specpipe.stop_strings import StopStrings
+    from specpipe.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    for stop in ("中文中文中文", "😀😀😀😀😀", "é" * 20):
+        ids = tok.encode("some text before " * 4 + stop)
+        assert StopStrings([stop], tok.decode).hit(ids), stop

@@ -62,17 +62,20 @@ def uniform_coins(seed: Tensor, counter: Tensor, cols: int, stream: int) -> Tens
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below are greedy (vLLM's rule): logits / a subnormal overflow to inf
+
+
 def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
     """logits [B,N,V], per-request temperature/top_p [B] float, top_k [B] int -> probs [B,N,V] float32.
 
     softmax(logits / T), keep the top_k most likely (top_k <= 0: all), renormalise, keep the
     smallest prefix whose mass reaches top_p (top_p >= 1: all; never less than the most likely token, even
-    when a tiny top_p rounds to 0 in float32), renormalise. T <= 0 is greedy:
+    when a tiny top_p rounds to 0 in float32), renormalise. T < GREEDY_TEMPERATURE is greedy:
     a one-hot at the argmax (so greedy and sampled requests share one batch).
     """
     B, N, V = logits.shape
     x = logits.float()
-    greedy = temperature <= 0  # [B]
+    greedy = temperature < GREEDY_TEMPERATURE  # [B]
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     probs = torch.softmax(x / t[:, None, None], dim=-1)
     sp, si = probs.sort(dim=-1, descending=True, stable=True)  # [B,N,V]
