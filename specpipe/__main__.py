@@ -44,9 +44,10 @@ def hydra_main(cfg: DictConfig) -> float:
               f"(in the order they finished; no metrics.json was written)", file=sys.stderr)
         sys.exit(130)
     except SpecpipeError as e:
-        print(str(e), file=sys.stderr)
+        msg = str(e) if str(e).startswith("specpipe:") else f"specpipe: {e}"  # every user error reads the same
+        print(msg, file=sys.stderr)
         if multirun:  # one bad point must not end an overnight sweep
-            write_error(out_dir, str(e))
+            write_error(out_dir, msg)
             return float("nan")
         sys.exit(e.exit_code)
     clear_error(out_dir)

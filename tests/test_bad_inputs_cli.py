@@ -113,6 +113,8 @@ def test_every_case_exits_2_without_traceback(tmp_path):
         out = p.stderr + p.stdout
         assert p.returncode == 2, (overrides, p.returncode, out[-800:])
         assert fragment in p.stderr, (overrides, p.stderr)
+        line = next(x for x in p.stderr.splitlines() if fragment.split("\n")[0] in x)
+        assert line.startswith("specpipe:") or line.startswith("  - "), (overrides, line)  # one voice for all
         assert "Traceback" not in out, (overrides, out[-800:])
         assert not (tmp_path / "run" / "metrics.json").exists()
 
