@@ -120,7 +120,8 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
         if r.max_new_tokens > max_new_tokens:
             r.finish_reason = "error"
             r.error = (f"max_new_tokens={r.max_new_tokens} is above the run's workload.max_new_tokens="
-                       f"{max_new_tokens}, which sizes the KV cache; raise workload.max_new_tokens to allow it")
+                       f"{max_new_tokens}, which sizes the KV cache; raise workload.max_new_tokens (the API: "
+                       f"generate(max_new_tokens=...)) to allow it")
             continue
         if "prompt_ids" in it:
             r.prompt_ids = list(it["prompt_ids"])
