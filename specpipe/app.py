@@ -344,6 +344,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     try:
         if partial is not None:
             partial.write([r for r in reqs if r.finished])  # bad prompts: failed before the run
+        if on_step is not None and any(r.finished for r in reqs):
+            on_step([r for r in reqs if r.finished])  # streams hear of them now, not after all decoding
         wall = run_requests(pipe, reqs, batch, show_progress=None if not quiet else False,
                             on_finish=partial.write if partial is not None else None, on_step=on_step)
     finally:

@@ -76,6 +76,7 @@ def test_stream_events_add_up_to_the_completions():
         assert mine[-1].finish_reason == c.finish_reason and all(e.finish_reason is None for e in mine[:-1])
     assert len([e for e in events if e.index == 0]) > 2  # really incremental, not one event at the end
     assert [e.error for e in events if e.index == 3] == [want[3].error] and "empty prompt" in want[3].error
+    assert events[0].index == 3  # a prompt that fails before decoding is told first, not after all decoding
 
     it = sp.stream(PROMPTS * 3, max_new_tokens=40)
     next(it)
