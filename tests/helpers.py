@@ -71,3 +71,16 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     keep = ex > 0
     stat = (((obs - ex) ** 2)[keep] / ex[keep]).sum().item()
     return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+def ancestors(parent: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] node j sees itself and its ancestors (a plain walk up the parents)."""
+    B, N = parent.shape
+    mask = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        for j in range(N):
+            v = j
+            while v >= 0:
+                mask[b, j, v] = True
+                v = int(parent[b, v])
+    return mask

@@ -2,6 +2,7 @@
 RepetitionPenaltyLogitsProcessor would penalize that sequence."""
 import torch
 
+from helpers import ancestors
 from specpipe.sampling import SamplingState
 
 
@@ -18,13 +19,7 @@ def test_tree_nodes_are_penalized_for_the_prompt_the_output_and_their_own_path()
     g = torch.Generator().manual_seed(0)
     B, N, V = 3, 9, 6  # a tiny vocabulary: tokens repeat across branches and along paths
     parent = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 6, 5], [-1, 0, 1, 2, 3, 4, 5, 6, 7], [-1, 0, 0, 0, 0, 1, 2, 3, 4]])
-    mask = torch.zeros(B, N, N, dtype=torch.bool)
-    for b in range(B):
-        for j in range(N):
-            k = j
-            while k >= 0:
-                mask[b, j, k] = True
-                k = int(parent[b, k])
+    mask = ancestors(parent)
     tokens = torch.randint(0, V, (B, N), generator=g)
     contexts = [[0, 1], [4], [5, 5, 2]]
     state = SamplingState(0.0, 1.0, 0, "cpu", max_context=8, penalized=True)

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import ancestors
 from specpipe.metrics import Metrics
 from specpipe.pipeline import Pipeline, Request, stop_set
 from specpipe.stages.verify import Verify
@@ -11,19 +12,6 @@ from specpipe.stages.verify import Verify
 # root(10) -> local1 (11), local2 (12); local3 (13) is a child of local2; local4 (14) unlinked
 TOKENS = torch.tensor([[10, 11, 12, 13, 14]])
 PARENT = torch.tensor([[-1, 0, 0, 2, -1]])
-
-
-def ancestors(parent: torch.Tensor) -> torch.Tensor:
-    """[B, N, N] node j sees itself and its ancestors (a plain walk up the parents)."""
-    B, N = parent.shape
-    mask = torch.zeros(B, N, N, dtype=torch.bool)
-    for b in range(B):
-        for j in range(N):
-            v = j
-            while v >= 0:
-                mask[b, j, v] = True
-                v = int(parent[b, v])
-    return mask
 
 
 def greedy(predict, S=2):
