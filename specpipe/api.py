@@ -191,6 +191,7 @@ class Completion:
     text: str
     finish_reason: str  # stop | length | error
     error: Optional[str] = None
+    logprobs: Optional[list] = None  # generate(logprobs=True): each output token's raw target log-probability
 
 
 def prompt_item(p: Any, n: int) -> dict:
@@ -255,13 +256,14 @@ class SpecPipe:
                  stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None,
                  on_event: Optional[Callable[[StreamEvent], None]] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, top_k: Optional[int] = None,
-                 repetition_penalty: Optional[float] = None) -> list[Completion]:
+                 repetition_penalty: Optional[float] = None, logprobs: bool = False) -> list[Completion]:
         """Completions in prompt order. `stop`: stop strings for every prompt (taken as given: no escapes);
         `out_dir` also writes metrics.json and completions.jsonl there; `on_event` gets a StreamEvent
         whenever a request commits tokens and when it finishes (each request's last event has its
         finish_reason, prompts that fail before decoding included). `temperature`, `top_p`, `top_k`,
         `repetition_penalty`: this
-        call's sampling (sampling.* for all its prompts; a prompt's "seed" still picks its coins)."""
+        call's sampling (sampling.* for all its prompts; a prompt's "seed" still picks its coins). `logprobs`: each
+        completion also holds its tokens' log-probabilities under the raw target logits."""
         from omegaconf import OmegaConf
 
         from specpipe.app import run
@@ -286,6 +288,10 @@ class SpecPipe:
             if not is_int(max_new_tokens) or max_new_tokens < 1:
                 raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
             cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
+        if logprobs is not (cfg.workload.get("logprobs") or False):
+            if not isinstance(logprobs, bool):
+                raise SpecpipeError(f"specpipe: logprobs={logprobs!r} must be True or False")
+            cfg = OmegaConf.merge(cfg, {"workload": {"logprobs": logprobs}})
         sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                       ("repetition_penalty", repetition_penalty))
                     if v is not None}
@@ -318,8 +324,8 @@ class SpecPipe:
                 deltas(out["requests"])
         self.metrics = out["metrics"]
         decode = self.pair.tokenizer.decode
-        return [Completion(r.index, r.prompt, list(r.output_ids), decode(r.output_ids), r.finish_reason, r.error)
-                for r in out["requests"]]
+        return [Completion(r.index, r.prompt, list(r.output_ids), decode(r.output_ids), r.finish_reason, r.error,
+                           None if r.logprobs is None else list(r.logprobs)) for r in out["requests"]]
 
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
                stop: Optional[str | Sequence[str]] = None, **sampling) -> Stream:

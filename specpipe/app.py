@@ -339,6 +339,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                       cfg.draft.num_draft_tokens if spec else 2)
     metrics.attach_model_timer(models, device.synchronize)
     pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
+    pipe.logprobs = bool(cfg.workload.get("logprobs"))
     compiles_before = recompile_count()
     partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
     try:
@@ -388,6 +389,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
 def completion_record(r: Request, tokenizer) -> dict:
     rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids, "text": tokenizer.decode(r.output_ids),
            "finish_reason": r.finish_reason}
+    if r.logprobs is not None:
+        rec["logprobs"] = r.logprobs
     if r.error:
         rec["error"] = r.error
     return rec

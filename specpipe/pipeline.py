@@ -41,7 +41,8 @@ class Request:
     seed: int = 0  # the request's own sampling seed
     retractions: int = 0  # times it was evicted under KV pressure and re-queued
     stop_strings: Optional[Any] = None  # a StopStrings checker when the request has stop strings
-    sampling: Optional[tuple] = None  # its own (temperature, top_p, top_k); None: the run's
+    sampling: Optional[tuple] = None  # its own (temperature, top_p, top_k, repetition_penalty); None: the run's
+    logprobs: Optional[list] = None  # with workload.logprobs: each output token's raw target log-probability
 
     @property
     def context_ids(self) -> list:
@@ -79,6 +80,7 @@ class Pipeline:
         self.sampling = sampling or SamplingState(0.0, 1.0, 0, self.dev)
         self.feature_layers = None  # EAGLE-3 drafters read these target layers instead of the final hidden
         self.finished_log: list[Request] = []  # finished since the runner last looked (it drains this)
+        self.logprobs = False  # workload.logprobs: record each committed token's raw target log-probability
 
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
@@ -134,11 +136,14 @@ class Pipeline:
                        f"{len(req.context_ids) + self.growth} tokens; raise allocator.num_slots")
 
     # ---- host-side token bookkeeping ---------------------------------------------------
-    def append_tokens(self, req: Request, tokens: list) -> int:
-        """Append committed tokens until EOS or the token budget; returns how many were kept."""
+    def append_tokens(self, req: Request, tokens: list, logprobs: Optional[list] = None) -> int:
+        """Append committed tokens (and their log-probabilities) until EOS or the token budget; returns how
+        many were kept."""
         kept = 0
-        for t in tokens:
+        for i, t in enumerate(tokens):
             req.output_ids.append(t)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[i])
             kept += 1
             if t in self.eos or (req.stop_strings is not None and req.stop_strings.hit(req.output_ids)):
                 req.finish_reason = "stop"
@@ -148,6 +153,30 @@ class Pipeline:
                 break
         self.metrics.generated_tokens += kept
         return kept
+
+    def raw_logits(self, logits: Tensor):
+        """With workload.logprobs: (logits as the model gave them, their log-sum-exp per row), taken before
+        a repetition penalty changes them in place; None otherwise."""
+        if not self.logprobs:
+            return None
+        wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        lse = torch.logsumexp(wide, -1)
+        return (logits.clone() if self.sampling.penalized else logits), lse
+
+    @staticmethod
+    def token_logprobs(raw, tokens: Tensor, nodes: Optional[Tensor] = None) -> Optional[list]:
+        """Host lists [B][K] of log p(token) under the raw target distribution (vLLM's raw_logprobs), at
+        tree `nodes` [B, K] of [B, N, V] logits, or of [B, V] logits for tokens [B, K]; None when off.
+        One more host transfer, only with workload.logprobs."""
+        if raw is None:
+            return None
+        logits, lse = raw
+        if nodes is not None:
+            V = logits.shape[-1]
+            logits = logits.gather(1, nodes[:, :, None].expand(-1, -1, V))  # [B, K, V]
+            lse = lse.gather(1, nodes)
+            return (logits.gather(2, tokens[:, :, None])[:, :, 0].to(lse.dtype) - lse).tolist()
+        return (logits.gather(1, tokens).to(lse.dtype) - lse[:, None]).tolist()
 
     # ---- admission ---------------------------------------------------------------------
     def prefill_target(self, reqs: list[Request]):
@@ -222,16 +251,20 @@ class Pipeline:
             self.sampling.join([r.seed for r in reqs], [r.sampling for r in reqs],
                                [r.context_ids for r in reqs] if self.sampling.penalized else None)
             new_rows = torch.arange(old, old + len(reqs), device=self.dev)
+            raw = self.raw_logits(logits)
             first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(context)
             self.sampling.note(first[:, None], rows=new_rows)
             finite = torch.isfinite(logits).all(-1)
             host = torch.stack([first, finite.to(first.dtype)], 1).tolist()
+            lps = self.token_logprobs(raw, first[:, None])
             now = time.perf_counter()
-            for r, (t, ok) in zip(reqs, host):
+            for i, (r, (t, ok)) in enumerate(zip(reqs, host)):
                 if not ok:
                     self.fail(r, "the target's logits contained NaN or inf at prefill")
                     continue
-                self.append_tokens(r, [t])
+                if lps is not None and r.logprobs is None:
+                    r.logprobs = []
+                self.append_tokens(r, [t], None if lps is None else lps[i])
                 if r.retractions == 0:
                     self.metrics.first_token_s.append(now - r.t_submit)
             self.join(reqs, rows_np, ids, hidden, batch, last, first)
@@ -280,14 +313,16 @@ class PlainPipeline(Pipeline):
         with self.metrics.stage("verify"):
             hidden = self.target(self.last_token[:, None], batch)
             logits = self.target.logits(hidden[:, 0])
+            raw = self.raw_logits(logits)
             nxt = self.sampling.sample_next(logits, L_t + 1)  # [B]
             self.sampling.note(nxt[:, None])
         with self.metrics.stage("commit"):
             finite = torch.isfinite(logits).all(-1)
             host = torch.stack([nxt, finite.to(nxt.dtype)], 1).tolist()  # the one host sync of the step
-            for r, (t, ok) in zip(self.reqs, host):
+            lps = self.token_logprobs(raw, nxt[:, None])
+            for i, (r, (t, ok)) in enumerate(zip(self.reqs, host)):
                 if ok:
-                    self.append_tokens(r, [t])
+                    self.append_tokens(r, [t], None if lps is None else lps[i])
                 else:
                     self.fail(r, "the target's logits contained NaN or inf")
             self.prep.commit(self.rows, L + 1)

@@ -203,6 +203,7 @@ class WorkloadConf:
     # stop strings for every request: one string or a list ("\n" is a newline here); a prompt's own "stop" adds
     stop: Any = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks: every request runs to max_new_tokens (EOS ids and stop strings ignored)
+    logprobs: bool = False  # completions also hold each output token's log-probability under the raw target logits
 
 
 # ---- sampling ---------------------------------------------------------------------------

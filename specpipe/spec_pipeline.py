@@ -6,6 +6,8 @@ The step has one host sync: reading the committed tokens to check stop condition
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -108,12 +110,15 @@ class SpecPipeline(Pipeline):
             vbatch = self.verify_batch(tree, rows_t, L, L_t)
         with m.stage("verify"):
             logits, vhidden = self.verify.target_forward(tree.tokens, vbatch)
+            raw = self.raw_logits(logits)
             accept_index, count, commit = self.accept(logits, tree, draft_probs, L_t)
             self.sampling.note(commit, count)
         with m.stage("commit"):
             stats = self.round_stats(tree, accept_index, logits)
             host = torch.cat([count[:, None], commit, stats], 1).tolist()  # the one host sync of the step
-            kept = np.asarray([self.commit_request(r, h) for r, h in zip(self.reqs, host)])
+            lps = self.token_logprobs(raw, commit, accept_index.clamp(min=0))
+            kept = np.asarray([self.commit_request(r, h, None if lps is None else lps[i])
+                               for i, (r, h) in enumerate(zip(self.reqs, host))])
             m.record_round([h[0] for h in host], [h[S + 2: 2 * S + 2] for h in host], [h[-2] for h in host])
             kept_t = torch.from_numpy(kept).to(self.dev)
             d = torch.arange(S + 1, device=self.dev)
@@ -137,10 +142,11 @@ class SpecPipeline(Pipeline):
         m.num_verify_steps += 1
         return retracted
 
-    def commit_request(self, req, h: list) -> int:
-        """Host side of one request's round: h = [count, commit (S+1), ranks (S), linked, status]."""
+    def commit_request(self, req, h: list, logprobs: Optional[list] = None) -> int:
+        """Host side of one request's round: h = [count, commit (S+1), ranks (S), linked, status]; logprobs:
+        the raw target log-probability of each committed token (workload.logprobs)."""
         if h[-1] != 1:
             who = "target" if h[-1] == 0 else "draft"
             self.fail(req, f"the {who}'s logits contained NaN or inf; this request was stopped")
             return 0
-        return self.append_tokens(req, h[1: h[0] + 2])
+        return self.append_tokens(req, h[1: h[0] + 2], logprobs)

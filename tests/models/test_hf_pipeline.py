@@ -139,3 +139,35 @@ def test_repetition_penalty_equals_transformers_generate(make_hf_model, edit_con
             assert req.output_ids == ref, (draft, r, p)
             changed += r is not None and ref != plain["requests"][req.index].output_ids
     assert changed >= 2  # the penalty really changed these outputs
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_logprobs_are_the_targets_raw_log_probabilities(make_hf_model, edit_config, tmp_path, draft):
+    """workload.logprobs: each output token's log-probability under the target's raw logits (before any
+    repetition penalty or temperature), for single-token and multi-token (speculative) commits alike;
+    checked against transformers' own forward over prompt + output."""
+    model = make_hf_model("llama", seed=16).double()
+    folder = tmp_path / "target"
+    model.save_pretrained(folder)
+    edit_config(folder, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299})
+    g = torch.Generator().manual_seed(17)
+    prompts = [(torch.randint(0, 40, (n,), generator=g).tolist() * 3)[: 3 * n] for n in (3, 5, 8, 11)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p, **({"repetition_penalty": 0.5} if i == 1 else {})}) + "\n"
+                            for i, p in enumerate(prompts)))
+    out = run(compose("model=hf", f"model.path={folder}", f"draft={draft}", "device.dtype=float64",
+                      f"workload.prompts_file={path}", f"workload.max_new_tokens={MAX_NEW}", "workload.logprobs=true",
+                      "workload.batch_size=4"), quiet=True)
+    if draft == "ngram":
+        assert out["metrics"]["accept_length_mean"] > 1
+    with torch.no_grad():
+        for p, req in zip(prompts, out["requests"]):
+            seq = torch.tensor([p + req.output_ids])
+            ref = torch.log_softmax(model(seq).logits[0, len(p) - 1: -1], -1)
+            want = ref.gather(1, torch.tensor(req.output_ids)[:, None])[:, 0]
+            got = torch.tensor(req.logprobs, dtype=torch.float64)
+            assert len(req.logprobs) == len(req.output_ids) == MAX_NEW
+            assert torch.allclose(got, want, atol=1e-5, rtol=0), (p, (got - want).abs().max().item())  # HF: fp32 RoPE
+    assert run(compose("model=hf", f"model.path={folder}", "draft=none", "device.dtype=float64",
+                       f"workload.prompts_file={path}", "workload.max_new_tokens=2"), quiet=True)[
+        "requests"][0].logprobs is None  # off by default
