@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from specpipe.stages.verify_sampling import GREEDY_TEMPERATURE, process_logits, sample_tokens, uniform_coins
+from specpipe.stages.verify_sampling import (GREEDY_TEMPERATURE, STREAM_PLAIN, process_logits, sample_tokens,
+                                             uniform_coins)
 
-STREAM_PLAIN = 4  # coins of tokens sampled outside a verify tree (prefill, draft=none); 1-3 are the verifier's
 
 
 def request_seed(base_seed: int, index: int, explicit=None) -> int:

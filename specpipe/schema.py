@@ -287,7 +287,8 @@ def register_schemas() -> None:
     if not OmegaConf.has_resolver("specpipe.draft_tokens"):
         OmegaConf.register_new_resolver("specpipe.draft_tokens", lambda k, s: default_draft_tokens(int(k), int(s)))
     if not OmegaConf.has_resolver("specpipe.trie_tokens"):
-        OmegaConf.register_new_resolver("specpipe.trie_tokens", lambda k, s: default_trie_tokens(int(k), int(s)))
+        OmegaConf.register_new_resolver("specpipe.trie_tokens",
+                                        lambda k, s, b=12: default_trie_tokens(int(k), int(s), int(b)))
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for group, schemas in SCHEMAS.items():

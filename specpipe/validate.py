@@ -67,6 +67,12 @@ def _draft(d, errors: list) -> None:
             or d.method == "none"):
         return
     K, S, N = d.topk, d.num_steps, d.num_draft_tokens
+    if d.method == "ngram":  # a trie of topk matched continuations, num_steps deep
+        if N > 1 + K * S:
+            errors.append(f"draft.num_draft_tokens={N} is too large for the n-gram trie of topk={K}, num_steps={S}: "
+                          f"it holds at most 1 + topk*num_steps = {1 + K * S} nodes; use draft.num_draft_tokens<="
+                          f"{1 + K * S} or a larger topk / num_steps")
+        return
     most = K + (S - 1) * K * K
     if N - 1 > most:
         errors.append(f"draft.num_draft_tokens={N} is too large for topk={K}, num_steps={S}: the tree has at most "

@@ -92,3 +92,12 @@ def test_ngram_tree_size_follows_the_shape_unless_set(shape, want):
     d = compose("draft=ngram", *shape).draft
     assert (d.topk, d.num_steps, d.num_draft_tokens) == want
     assert compose("draft=ngram", *shape, "draft.num_draft_tokens=3").draft.num_draft_tokens == 3
+
+
+def test_suffix_tree_size_follows_its_shape():
+    """draft=suffix sizes its trie like draft=ngram (1 + topk*num_steps, here at most 16): changing num_steps
+    alone gives a valid config (a fixed 16 broke at num_steps=3)."""
+    assert compose("draft=suffix").draft.num_draft_tokens == 16
+    cfg = compose("draft=suffix", "draft.num_steps=3")
+    assert cfg.draft.num_draft_tokens == 13
+    validate(cfg)

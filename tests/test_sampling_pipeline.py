@@ -98,3 +98,21 @@ def test_sampling_is_deterministic_given_seeds(pair, tmp_path):
     a, _ = sample(pair, tmp_path, 200, "draft.topk=2", "draft.num_steps=2")
     b, _ = sample(pair, tmp_path, 200, "draft.topk=2", "draft.num_steps=2", "workload.batch_size=7")
     assert torch.equal(a, b)  # batch composition does not change any request's tokens
+
+
+def test_sampled_text_depends_on_the_seed_only_not_the_drafter():
+    """Target-only verification draws each position's token with plain decoding's coin: EAGLE trees and chains,
+    n-gram and suffix drafting (whose cross-request cache and neighbours change the trees) commit exactly the
+    tokens draft=none samples, at any batch size; only the number of rounds differs. On the shipped pair, where
+    drafts are accepted."""
+    from specpipe import SpecPipe
+    from specpipe.workload import load_prompts
+
+    items = [{**it, "seed": 40 + i} for i, it in enumerate(load_prompts(None, "heldout", 8))]
+    sampling = dict(max_new_tokens=32, temperature=0.7, top_k=40)
+    want = [c.output_ids for c in SpecPipe("draft=none").generate(items, **sampling)]
+    for extra in (["draft.topk=4", "draft.num_steps=3"], ["draft.topk=1", "draft.num_steps=4", "workload.batch_size=1"],
+                  ["draft=ngram", "workload.batch_size=2"], ["draft=suffix", "workload.batch_size=3"]):
+        sp = SpecPipe(*extra)
+        assert [c.output_ids for c in sp.generate(items, **sampling)] == want, extra
+        assert sp.metrics["accept_length_mean"] > 1.2, extra

@@ -1,17 +1,17 @@
 """Sampling verification: commit tokens distributed exactly as the target would sample them.
 
-Two schemes over the same tree walk (one fixed loop over depth, tensor ops only, no host sync):
+Two schemes, each one fixed loop over depth of tensor ops (no host sync):
 
-* target-only (`tree_sample`, draft_probs=None), for any tree whose tokens do not depend on the
-  coins (EAGLE's deterministic top-K trees, n-gram trees). At node v with processed target
-  distribution p_v and children tokens c_1..c_m (ascending local index, distinct), one coin
-  u ~ U[0,1) is compared with the cumulative sums of p_v(c_i): child i is accepted iff
-  u lies in its interval; if none is, the bonus is drawn from p_v with the children removed.
-  Proof: P(next = c_i) = p_v(c_i); P(next = y not a child) = (1 - sum_i p_v(c_i)) *
-  p_v(y) / (1 - sum_i p_v(c_i)) = p_v(y). By induction over depth (fresh coins per node) the
-  committed tokens follow the target's law. Equivalent to the sequential "accept child j with
-  p(c_j) / remaining mass" walk of sglang's target-only kernel with thresholds 1.
-* rejection sampling (`draft_probs` given), for CHAINS whose token after node v was SAMPLED from
+* target-only by position (`position_sample`), for any tree not built from the verifier's coins
+  (EAGLE's deterministic top-K trees, n-gram and suffix trees, even sampled chains). At depth d the
+  token of the next position is drawn from the current node's processed target distribution p_v by
+  inverse CDF with that position's coin, exactly as plain decoding draws it; the walk follows the
+  child holding that token, else the token is the bonus. Each committed token is a draw from p given
+  the committed prefix, so the law is the target's; more, the tokens are the ones plain decoding
+  draws from the same seed, so a request's text does not depend on the drafter, the tree, the batch or
+  a cross-request cache (drafts only change how many positions a round covers). A child is accepted
+  with probability p_v(c), as in sglang's target-only walk.
+* rejection sampling (`chain_rejection_sample`), for CHAINS whose token after node v was SAMPLED from
   q_v = draft_probs[:, v]: accept x with prob min(1, p(x)/q(x)), else the bonus comes from
   norm(max(0, p - q)). Proof: P(next = y) = q(y) min(1, p(y)/q(y)) + (1 - sum_z min(p, q)(z)) *
   max(0, p(y) - q(y)) / sum_z max(0, p - q)(z) = min(p, q)(y) + max(0, p(y) - q(y)) = p(y).
@@ -20,8 +20,9 @@ Two schemes over the same tree walk (one fixed loop over depth, tensor ops only,
 
 Coins are counter-based: a 32-bit integer hash of (request seed, counter, stream, column), so a
 request's coins are deterministic given its seed and do not depend on the rest of the batch or
-on the device. The pipeline passes counter = seq_lens (strictly increasing between rounds, so
-coins are never reused) and uses distinct streams for acceptance, bonus and drafting coins.
+on the device. Target-only verification and plain decoding use the coin of each position
+(STREAM_PLAIN, counter = the position); rejection sampling passes counter = seq_lens (strictly
+increasing between rounds, so coins are never reused) with its own acceptance, bonus and drafting streams.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from torch import Tensor
 from specpipe.stages.base import Stage, branch
 
 STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT = 1, 2, 3
+STREAM_PLAIN = 4  # the coin of the token at each position: plain decoding, prefill and target-only verification
 _M32 = 0xFFFFFFFF
 
 
@@ -103,30 +105,71 @@ def sample_tokens(probs: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, t, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
+def position_coins(seed: Tensor, counter: Tensor, n: int) -> Tensor:
+    """[B, n]: the coins of positions counter+1 .. counter+n, the ones plain decoding draws those tokens with."""
+    B = seed.shape[0]
+    pos = (counter.to(torch.int64)[:, None] + 1 + torch.arange(n, device=seed.device)).reshape(-1)
+    return uniform_coins(seed.repeat_interleave(n), pos, 1, STREAM_PLAIN).view(B, n)
+
+
+def position_sample(probs: Tensor, tokens: Tensor, parent: Tensor, u: Tensor, num_steps: int):
+    """Target-only tree verification by position. At depth d the token of the next position is drawn from
+    the current node's processed target distribution with that position's coin u[:, d] (inverse CDF over the
+    vocabulary, exactly as plain decoding draws it); the walk moves to the child holding that token if
+    there is one, else that token is the bonus and the round ends; after num_steps accepted drafts the
+    bonus is drawn with u[:, num_steps].
+
+    Lossless for any tree not built from these coins, and more: the committed tokens are the very tokens
+    plain decoding draws with the same seed, so a request's sampled text does not depend on the drafter,
+    the tree, the batch or the cross-request cache; drafts only decide how many positions one round covers.
+    probs [B,N,V], tokens [B,N], parent [B,N] (-1: root or unlinked), u [B, num_steps+1] ->
+    accept_index [B,S+1], accept_len [B], commit [B,S+1] (accepted drafts, the bonus, then the bonus repeated).
+    """
+    B, N, V = probs.shape
+    ar = torch.arange(N, device=tokens.device)
+    same = (parent[:, :, None] == parent[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
+    cand = (parent >= 0) & ~(same & (ar[None, None, :] < ar[None, :, None])).any(-1)  # first of equal siblings
+    cur = torch.zeros(B, dtype=torch.int64, device=tokens.device)
+    alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
+    count = torch.zeros(B, dtype=torch.int64, device=tokens.device)
+    path, drawn = [cur], []
+    for d in range(num_steps):
+        x = sample_tokens(_rows(probs, cur), u[:, d])  # [B]
+        drawn.append(x)
+        child = cand & (parent == cur[:, None]) & (tokens == x[:, None]) & alive[:, None]
+        acc = child.any(-1)
+        cur = torch.where(acc, child.to(torch.int64).argmax(-1), cur)
+        count = count + acc.to(torch.int64)
+        alive = acc
+        path.append(torch.where(acc, cur, torch.full_like(cur, -1)))
+    drawn.append(sample_tokens(_rows(probs, cur), u[:, num_steps]))
+    xs = torch.stack(drawn, 1)  # [B, S+1]: the token drawn for each position of the round
+    bonus = xs.gather(1, count[:, None])
+    col = torch.arange(num_steps + 1, device=tokens.device)
+    return torch.stack(path, 1), count, torch.where(col[None, :] <= count[:, None], xs, bonus)
+
+
 def _rows(x: Tensor, idx: Tensor) -> Tensor:
     """x [B,N,V], idx [B] -> x[b, idx[b]] [B,V]."""
     return x.gather(1, idx[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
 
 
-def tree_sample(probs: Tensor, tokens: Tensor, parent: Tensor, u: Tensor, u_final: Tensor, num_steps: int,
-                draft_probs: Tensor | None = None):
-    """Walk the tree from the root and sample the committed tokens.
+def chain_rejection_sample(probs: Tensor, tokens: Tensor, parent: Tensor, u: Tensor, u_final: Tensor,
+                           num_steps: int, draft_probs: Tensor):
+    """Rejection sampling along a chain whose token after node v was sampled from draft_probs[:, v].
 
     probs [B,N,V] processed target distribution after each node; tokens [B,N]; parent [B,N] local
     parent (-1: root or unlinked, never accepted); u [B,N] coin used at each visited node; u_final
-    [B] coin of the bonus; draft_probs [B,N,V] optional, row v = the distribution node v's child
-    token was sampled from (chains only). Returns accept_index [B,S+1] accepted local nodes (-1
-    padded), accept_len [B] drafts accepted, commit [B,S+1] accepted drafts then the bonus (the
-    tail past the bonus repeats the bonus so it is always a valid id).
+    [B] coin of the bonus; draft_probs [B,N,V], row v = the distribution node v's child token was
+    sampled from. Only the first child of each node is considered. Returns accept_index [B,S+1]
+    accepted local nodes (-1 padded), accept_len [B] drafts accepted, commit [B,S+1] accepted drafts
+    then the bonus (the tail past the bonus repeats the bonus so it is always a valid id).
     """
     B, N, V = probs.shape
     dev = tokens.device
     ar = torch.arange(N, device=dev)
-    # ptok[b, i, j] = p_i(token_j): the probability row i's distribution gives node j's token
-    ptok = probs.gather(2, tokens[:, None, :].expand(B, N, N))
-    same = (parent[:, :, None] == parent[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
-    dup = (same & (ar[None, None, :] < ar[None, :, None])).any(-1)  # [B,N] an earlier sibling has this token
-    cand = (parent >= 0) & ~dup
+    ptok = probs.gather(2, tokens[:, None, :].expand(B, N, N))  # ptok[b, i, j] = p_i(token_j)
+    cand = parent >= 0
     cur = torch.zeros(B, dtype=torch.int64, device=dev)
     alive = torch.ones(B, dtype=torch.bool, device=dev)
     count = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -135,31 +178,21 @@ def tree_sample(probs: Tensor, tokens: Tensor, parent: Tensor, u: Tensor, u_fina
         child = cand & (parent == cur[:, None]) & alive[:, None]  # [B,N]
         coin = u.gather(1, cur[:, None])  # [B,1]
         pc = ptok.gather(1, cur[:, None, None].expand(B, 1, N))[:, 0]  # [B,N] p_cur(token_j)
-        if draft_probs is None:
-            cdf = torch.where(child, pc, torch.zeros_like(pc)).cumsum(-1)
-            hit = child & (coin < cdf)
-            acc = hit.any(-1)
-            nxt = hit.to(torch.int64).argmax(-1)  # first child whose interval holds the coin
-        else:
-            first = torch.where(child, ar, torch.full_like(ar, N)).min(-1).values
-            nxt = first.clamp(max=N - 1)
-            q = _rows(draft_probs, cur).gather(1, tokens.gather(1, nxt[:, None]))[:, 0]
-            acc = (first < N) & (coin[:, 0] * q < pc.gather(1, nxt[:, None])[:, 0])
+        first = torch.where(child, ar, torch.full_like(ar, N)).min(-1).values
+        nxt = first.clamp(max=N - 1)
+        q = _rows(draft_probs, cur).gather(1, tokens.gather(1, nxt[:, None]))[:, 0]
+        acc = (first < N) & (coin[:, 0] * q < pc.gather(1, nxt[:, None])[:, 0])
         cur = torch.where(acc, nxt, cur)
         count = count + acc.to(torch.int64)
         alive = acc
         path.append(torch.where(acc, nxt, torch.full_like(nxt, -1)))
     accept_index = torch.stack(path, 1)  # [B, S+1]
-    # bonus: residual at the last accepted node; its children were examined unless the walk ran S deep
+    # bonus: residual at the last accepted node; its child was examined unless the walk ran S deep
     examined = ~alive
     p_last = _rows(probs, cur)  # [B,V]
     kids = cand & (parent == cur[:, None]) & examined[:, None]
-    if draft_probs is None:
-        hits = torch.zeros_like(p_last).scatter_add(1, tokens, kids.to(p_last.dtype))
-        resid = torch.where(hits > 0, torch.zeros_like(p_last), p_last)
-    else:
-        q_last = _rows(draft_probs, cur).to(p_last.dtype)
-        resid = torch.where(kids.any(-1)[:, None], (p_last - q_last).clamp(min=0), p_last)
+    q_last = _rows(draft_probs, cur).to(p_last.dtype)
+    resid = torch.where(kids.any(-1)[:, None], (p_last - q_last).clamp(min=0), p_last)
     empty = resid.sum(-1, keepdim=True) <= 0  # only through rounding: fall back to p
     resid = torch.where(empty, p_last, resid)
     bonus = sample_tokens(resid, u_final)  # [B]
@@ -183,10 +216,10 @@ class VerifySampling(Stage):
 
     @branch
     def sample(self, probs: Tensor, tokens: Tensor, parent: Tensor, seed: Tensor, counter: Tensor):
-        """Target-only tree sampling; coins from (seed, counter). Same outputs as Verify.greedy."""
-        u = uniform_coins(seed, counter, tokens.shape[1], STREAM_ACCEPT)
-        uf = uniform_coins(seed, counter, 1, STREAM_BONUS)[:, 0]
-        return tree_sample(probs, tokens, parent, u, uf, self.num_steps)
+        """Target-only tree sampling by position (`position_sample`); counter = the root's position (seq_len),
+        so the coins are plain decoding's. Same output format as Verify.greedy."""
+        return position_sample(probs, tokens, parent, position_coins(seed, counter, self.num_steps + 1),
+                               self.num_steps)
 
     @branch
     def sample_rejection(self, probs: Tensor, draft_probs: Tensor, tokens: Tensor, parent: Tensor, seed: Tensor,
@@ -194,4 +227,4 @@ class VerifySampling(Stage):
         """Chain rejection sampling with the draft's full distributions [B,N,V] (sampled chains only)."""
         u = uniform_coins(seed, counter, tokens.shape[1], STREAM_ACCEPT)
         uf = uniform_coins(seed, counter, 1, STREAM_BONUS)[:, 0]
-        return tree_sample(probs, tokens, parent, u, uf, self.num_steps, draft_probs)
+        return chain_rejection_sample(probs, tokens, parent, u, uf, self.num_steps, draft_probs)

@@ -6,8 +6,9 @@ import torch
 
 from specpipe.stages.build_tree import BuildTree
 from specpipe.stages.verify import Verify
-from specpipe.stages.verify_sampling import (STREAM_ACCEPT, STREAM_BONUS, VerifySampling, process_logits,
-                                             sample_tokens, tree_sample, uniform_coins)
+from specpipe.stages.verify_sampling import (STREAM_ACCEPT, STREAM_BONUS, VerifySampling, chain_rejection_sample,
+                                             position_coins, position_sample, process_logits, sample_tokens,
+                                             uniform_coins)
 
 
 def rows(*vals):
@@ -123,9 +124,8 @@ def test_unlinked_and_duplicate_children():
     tokens = torch.tensor([[0, 1, 1, 2]]).expand(B, 4)
     parent = torch.tensor([[-1, 0, 0, -1]]).expand(B, 4)  # node 3 (token 2) is unlinked
     probs = torch.tensor([0.5, 0.2, 0.3]).expand(B, 4, V)
-    u = uniform_coins(torch.arange(B), torch.zeros(B, dtype=torch.long), 4, STREAM_ACCEPT)
-    uf = uniform_coins(torch.arange(B), torch.zeros(B, dtype=torch.long), 1, STREAM_BONUS)[:, 0]
-    acc, count, commit = tree_sample(probs, tokens, parent, u, uf, 2)
+    u = position_coins(torch.arange(B), torch.zeros(B, dtype=torch.long), 3)
+    acc, count, commit = position_sample(probs, tokens, parent, u, 2)
     assert set(acc[:, 1].tolist()) <= {-1, 1}
     first = commit[:, 0]
     freq = torch.bincount(first, minlength=V).double() / B
@@ -140,11 +140,11 @@ def test_rejection_mode_equal_draft_accepts_everything_and_zero_residual_falls_b
     seed, ctr = torch.arange(B), torch.zeros(B, dtype=torch.long)
     _, count, _ = VerifySampling(S).sample_rejection(probs, probs, tokens, parent, seed, ctr)
     assert (count == S).all()
-    # children cover only 0.8 of an unnormalised row and the coin misses them: bonus from p itself
-    probs = torch.tensor([[[0.4, 0.4], [0.5, 0.5]]])
-    acc, count, commit = tree_sample(probs, torch.tensor([[0, 1]]), torch.tensor([[-1, 0]]),
-                                     torch.tensor([[0.95, 0.0]]), torch.tensor([0.3]), 1)
-    assert count.item() == 0 and commit[0, 0].item() in (0, 1) and not math.isnan(commit.float().sum().item())
+    # a draft sampled from the target's own distribution is always accepted, even with a coin near 1
+    probs = torch.tensor([[[0.4, 0.6], [0.5, 0.5]]])
+    acc, count, commit = chain_rejection_sample(probs, torch.tensor([[0, 1]]), torch.tensor([[-1, 0]]),
+                                                torch.tensor([[0.999, 0.0]]), torch.tensor([0.3]), 1, probs)
+    assert count.item() == 1 and commit[0, 0].item() == 1 and not math.isnan(commit.float().sum().item())
 
 
 def test_stage_branches():
