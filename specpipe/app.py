@@ -269,7 +269,7 @@ def allocation_size(e: BaseException) -> str:
     return "an allocation failed"
 
 
-def check_topk(cfg: DictConfig, pair) -> None:
+def check_against_model(cfg: DictConfig, pair) -> None:
     """Settings the loaded model bounds: draft.topk (model drafters pick that many tokens of the draft's
     vocabulary per expansion) and workload.max_new_tokens (prompt and output share the model's context)."""
     ctx = pair.target.config.max_position_embeddings
@@ -305,7 +305,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                                              or getattr(pair, "standalone_source", None) != cfg.draft.path):
         load_standalone(cfg, pair, dtype, device)
         pair.standalone_source = cfg.draft.path
-    check_topk(cfg, pair)
+    check_against_model(cfg, pair)
     cfg, sampling_source = model_sampling(cfg, pair)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
