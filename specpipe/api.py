@@ -35,6 +35,7 @@ class StreamEvent:
     text: str
     finish_reason: Optional[str] = None
     error: Optional[str] = None
+    logprobs: Optional[list] = None  # logprobs=True: the raw target log-probabilities of token_ids
 
 
 class _Deltas:
@@ -69,7 +70,8 @@ class _Deltas:
             else:
                 delta = self._advance(st, ids)
             st[0] = len(ids)
-            self.sink(StreamEvent(r.index, list(ids[n:]), delta, r.finish_reason, r.error))
+            lps = None if r.logprobs is None else list(r.logprobs[n:len(ids)])
+            self.sink(StreamEvent(r.index, list(ids[n:]), delta, r.finish_reason, r.error, lps))
 
     def _advance(self, st: list, ids) -> str:
         prefix, read = st[1], st[2]

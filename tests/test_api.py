@@ -259,3 +259,16 @@ def test_stream_text_never_repeats_when_a_decoder_rewrites_sent_bytes():
     events = _feed(decode, [[120], [120, 0xC3], [120, 0xC3, 0xA9], [120, 0xC3, 0xA9, 0xC3]])
     texts = [e.text for e in events]
     assert texts[:3] == ["x", "", "é"] and "x" not in texts[3] and len("".join(texts)) == len(decode([120, 0xC3, 0xA9, 0xC3]))
+
+
+def test_logprobs_through_the_api_and_streams():
+    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")
+    plain = sp.generate(PROMPTS, max_new_tokens=10)
+    got = sp.generate(PROMPTS, max_new_tokens=10, logprobs=True)
+    assert [c.output_ids for c in got] == [c.output_ids for c in plain] and plain[0].logprobs is None
+    assert all(len(c.logprobs) == len(c.output_ids) and all(lp <= 0 for lp in c.logprobs) for c in got)
+    events = list(sp.stream(PROMPTS, max_new_tokens=10, logprobs=True))
+    for c in got:
+        assert [x for e in events if e.index == c.index for x in e.logprobs] == c.logprobs
+    with pytest.raises(SpecpipeError, match="logprobs=1 must be True or False"):
+        sp.generate(PROMPTS, logprobs=1)
