@@ -54,7 +54,8 @@ def test_eagle_decode_equals_transformers_generate(make_hf_model, edit_config, t
 
     with torch.no_grad():
         for p, req in zip(prompts, out["requests"]):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1,
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),  # else
+                                 max_new_tokens=MAX_NEW, do_sample=False, num_beams=1,  # HF masks id 0 as padding
                                  eos_token_id=299, pad_token_id=0)[0, len(p):].tolist()
             assert req.output_ids == ref, (variant, p)
 
@@ -134,7 +135,8 @@ def test_repetition_penalty_equals_transformers_generate(make_hf_model, edit_con
     changed = 0
     with torch.no_grad():
         for p, r, req in zip(prompts, penalties, out["requests"]):
-            ref = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, num_beams=1,
+            ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),  # else
+                                 max_new_tokens=MAX_NEW, do_sample=False, num_beams=1,  # HF masks id 0 as padding
                                  repetition_penalty=r or 1.0, eos_token_id=299, pad_token_id=0)[0, len(p):].tolist()
             assert req.output_ids == ref, (draft, r, p)
             changed += r is not None and ref != plain["requests"][req.index].output_ids
