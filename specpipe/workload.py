@@ -49,6 +49,19 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
 UNSUPPORTED_FIELDS = {
     "stop_token_ids": "stop ids come from the model's config.json / generation_config.json; use \"stop\" strings",
 }
+# OpenAI / vLLM request fields that would silently do nothing here: refused unless they hold their neutral value
+# (batch files often carry "presence_penalty": 0 or "n": 1)
+NEUTRAL_ONLY_FIELDS = {
+    "presence_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
+    "frequency_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
+    "logit_bias": (({}, None), "logit biases are not applied"),
+    "n": ((1, None), "one completion per line: repeat the line with different \"seed\" values"),
+    "best_of": ((1, None), "one completion per line: repeat the line with different \"seed\" values"),
+    "min_tokens": ((0, None), "EOS is never suppressed; workload.ignore_eos=true runs every request to its limit"),
+    "top_logprobs": ((0, None), "only the sampled token's log-probability is recorded (workload.logprobs=true)"),
+    "logprobs": ((False, None), "log-probabilities are recorded for the whole run: workload.logprobs=true (the API: "
+                                "generate(logprobs=True))"),
+}
 
 
 def parse_prompt_line(obj, where) -> dict:
@@ -61,6 +74,11 @@ def parse_prompt_line(obj, where) -> dict:
     if bad:
         return {"error": f'{n}: field "{bad[0]}" is not supported per prompt; {UNSUPPORTED_FIELDS[bad[0]]}',
                 "prompt": ""}
+    for k, (neutral, instead) in NEUTRAL_ONLY_FIELDS.items():
+        if isinstance(obj, dict) and k in obj and not any(obj[k] == v and type(obj[k]) is type(v) or
+                                                          (obj[k] is None and v is None) for v in neutral):
+            return {"error": f'{n}: field "{k}"={json.dumps(obj[k])[:40]} is not supported per prompt and would be '
+                             f'ignored; {instead}', "prompt": ""}
     if not isinstance(obj, dict):
         kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
             type(obj), "null" if obj is None else type(obj).__name__)

@@ -206,3 +206,20 @@ def test_lines_that_are_not_one_prompt_object_say_what_they_are(tmp_path):
     assert items[4]["error"] == ("line 5: has both 'prompt' and 'messages'; give one of \"prompt\", \"prompt_ids\" "
                                  "and \"messages\"")
     assert items[5] == {"prompt": "ok"}
+
+
+def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp_path):
+    from specpipe.workload import read_prompts_file
+
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "logit_bias": {},
+              "logprobs": False}, {"prompt": "b", "presence_penalty": 0.5}, {"prompt": "c", "n": 2},
+             {"prompt": "d", "logit_bias": {"50256": -100}}, {"prompt": "e", "logprobs": True},
+             {"prompt": "f", "min_tokens": 8}, {"prompt": "g", "n": True}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    items = read_prompts_file(str(path))
+    assert "error" not in items[0]
+    assert 'line 2: field "presence_penalty"=0.5 is not supported per prompt and would be ignored' in items[1]["error"]
+    assert 'field "n"=2' in items[2]["error"] and "different \"seed\" values" in items[2]["error"]
+    assert 'field "logit_bias"' in items[3]["error"] and "workload.logprobs=true" in items[4]["error"]
+    assert 'field "min_tokens"=8' in items[5]["error"] and 'field "n"=true' in items[6]["error"]
