@@ -70,7 +70,8 @@ class _Deltas:
             else:
                 delta = self._advance(st, ids)
             st[0] = len(ids)
-            lps = None if r.logprobs is None else list(r.logprobs[n:len(ids)])
+            own = getattr(r, "logprobs", None)
+            lps = None if own is None else list(own[n:len(ids)])
             self.sink(StreamEvent(r.index, list(ids[n:]), delta, r.finish_reason, r.error, lps))
 
     def _advance(self, st: list, ids) -> str:
