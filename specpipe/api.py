@@ -49,24 +49,23 @@ class _Deltas:
 
     def __init__(self, decode, sink):
         self.decode, self.sink = decode, sink
-        self.state: dict[int, list] = {}  # index -> [ids sent, prefix offset, read offset, text parts]
+        self.state: dict[int, list] = {}  # index -> [ids sent, prefix offset, read offset, characters sent]
         self.closed: set[int] = set()
 
     def __call__(self, reqs) -> None:
         for r in reqs:
             if r.index in self.closed:
                 continue
-            st = self.state.setdefault(r.index, [0, 0, 0, []])
+            st = self.state.setdefault(r.index, [0, 0, 0, 0])
             ids, n = r.output_ids, st[0]
             if len(ids) == n and not r.finished:
                 continue
             if r.finished:
                 self.closed.add(r.index)
                 self.state.pop(r.index)
-                sent, text = "".join(st[3]), self.decode(ids)
                 # a byte-fallback decoder can rewrite bytes already sent (later bytes made them invalid
                 # UTF-8): then only what extends past the sent length goes out, never the text again
-                delta = text[len(sent):]
+                delta = self.decode(ids)[st[3]:]
             else:
                 delta = self._advance(st, ids)
             st[0] = len(ids)
@@ -81,8 +80,9 @@ class _Deltas:
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         st[1], st[2] = read, len(ids)
-        st[3].append(after[len(before):])
-        return st[3][-1]
+        delta = after[len(before):]
+        st[3] += len(delta)
+        return delta
 
 
 class _Cancelled(Exception):

@@ -195,10 +195,13 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
                              repetition_penalty=sp.repetition_penalty, max_context=max_context,
                              penalized=any(r.sampling is not None and r.sampling[3] != 1.0 for r in reqs))
     if d.method == "none":
-        return PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
-    proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled)
-    return SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
-                        d.num_steps, d.num_draft_tokens, make_wrap(cfg, device, metrics), sampling)
+        pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
+    else:
+        proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled)
+        pipe = SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
+                            d.num_steps, d.num_draft_tokens, make_wrap(cfg, device, metrics), sampling)
+    pipe.logprobs = bool(cfg.workload.get("logprobs"))
+    return pipe
 
 
 def first_layer_copy(target):
@@ -339,7 +342,6 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                       cfg.draft.num_draft_tokens if spec else 2)
     metrics.attach_model_timer(models, device.synchronize)
     pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
-    pipe.logprobs = bool(cfg.workload.get("logprobs"))
     compiles_before = recompile_count()
     partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
     try:

@@ -199,16 +199,18 @@ def check_messages(messages: Any) -> Optional[str]:
     return None
 
 
+CHAT_FIELDS = ("tools", "documents", "chat_template_kwargs")  # a chat line's extras, passed to the template
+
+
 def check_chat_options(obj: dict) -> Optional[str]:
     """Why a chat line's "tools" (OpenAI's list of tool objects), "documents" (for RAG templates) or
     "chat_template_kwargs" (extra template variables, e.g. Qwen3's {"enable_thinking": false}) are unusable,
     or None."""
-    tools = obj.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        return '"tools" must be a list of tool objects ({"type": "function", "function": {...}})'
-    docs = obj.get("documents")
-    if docs is not None and (not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs)):
-        return '"documents" must be a list of objects (e.g. {"title": ..., "text": ...})'
+    for key, example in (("tools", "tool objects ({\"type\": \"function\", \"function\": {...}})"),
+                         ("documents", "objects (e.g. {\"title\": ..., \"text\": ...})")):
+        v = obj.get(key)
+        if v is not None and (not isinstance(v, list) or not all(isinstance(x, dict) for x in v)):
+            return f'"{key}" must be a list of {example}'
     kwargs = obj.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         return '"chat_template_kwargs" must be an object of template variables, e.g. {"enable_thinking": false}'

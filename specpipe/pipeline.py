@@ -171,12 +171,10 @@ class Pipeline:
         if raw is None:
             return None
         logits, lse = raw
-        if nodes is not None:
-            V = logits.shape[-1]
-            logits = logits.gather(1, nodes[:, :, None].expand(-1, -1, V))  # [B, K, V]
-            lse = lse.gather(1, nodes)
-            return (logits.gather(2, tokens[:, :, None])[:, :, 0].to(lse.dtype) - lse).tolist()
-        return (logits.gather(1, tokens).to(lse.dtype) - lse[:, None]).tolist()
+        if nodes is None:  # [B, V]: every token is drawn after the row's one position
+            return (logits.gather(1, tokens).to(lse.dtype) - lse[:, None]).tolist()
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        return (logits[rows, nodes, tokens].to(lse.dtype) - lse.gather(1, nodes)).tolist()
 
     # ---- admission ---------------------------------------------------------------------
     def prefill_target(self, reqs: list[Request]):

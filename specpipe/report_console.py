@@ -7,7 +7,9 @@ from typing import Optional
 def sampling_text(sp: Optional[dict]) -> str:
     if not sp:
         return "-"
-    text = "greedy" if sp["temperature"] < 1e-5 else \
+    from specpipe.stages.verify_sampling import GREEDY_TEMPERATURE
+
+    text = "greedy" if sp["temperature"] < GREEDY_TEMPERATURE else \
         f"temperature {sp['temperature']:g}, top_p {sp['top_p']:g}, top_k {sp['top_k']}"
     if sp.get("repetition_penalty", 1.0) != 1.0:
         text += f", repetition_penalty {sp['repetition_penalty']:g}"

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from specpipe.chat_template import check_chat_options, check_messages
+from specpipe.chat_template import CHAT_FIELDS, check_chat_options, check_messages
 from specpipe.stop_strings import check_stop
 from specpipe.errors import InputError
 from specpipe.schema import SAMPLING_RULES, is_int, sampling_problem
@@ -45,13 +45,11 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
     return items[:num_prompts] if num_prompts is not None else items
 
 
-# fields other engines take per request that would silently do nothing here (other fields, e.g. "id", pass)
-UNSUPPORTED_FIELDS = {
-    "stop_token_ids": "stop ids come from the model's config.json / generation_config.json; use \"stop\" strings",
-}
-# OpenAI / vLLM request fields that would silently do nothing here: refused unless they hold their neutral value
-# (batch files often carry "presence_penalty": 0 or "n": 1)
-NEUTRAL_ONLY_FIELDS = {
+# fields other engines take per request that would silently do nothing here: refused unless they hold their
+# neutral value (OpenAI batch files often carry "presence_penalty": 0 or "n": 1); other fields (e.g. "id") pass
+UNSUPPORTED_FIELDS = {  # field -> (its neutral values, what to do instead)
+    "stop_token_ids": ((), "stop ids come from the model's config.json / generation_config.json; use \"stop\" "
+                           "strings"),
     "presence_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "frequency_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "logit_bias": (({}, None), "logit biases are not applied"),
@@ -70,13 +68,8 @@ def parse_prompt_line(obj, where) -> dict:
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3")."""
     n = where if isinstance(where, str) else f"line {where}"
-    bad = [k for k in UNSUPPORTED_FIELDS if isinstance(obj, dict) and k in obj]
-    if bad:
-        return {"error": f'{n}: field "{bad[0]}" is not supported per prompt; {UNSUPPORTED_FIELDS[bad[0]]}',
-                "prompt": ""}
-    for k, (neutral, instead) in NEUTRAL_ONLY_FIELDS.items():
-        if isinstance(obj, dict) and k in obj and not any(obj[k] == v and type(obj[k]) is type(v) or
-                                                          (obj[k] is None and v is None) for v in neutral):
+    for k, (neutral, instead) in UNSUPPORTED_FIELDS.items():
+        if isinstance(obj, dict) and k in obj and not any(type(obj[k]) is type(v) and obj[k] == v for v in neutral):
             return {"error": f'{n}: field "{k}"={json.dumps(obj[k])[:40]} is not supported per prompt and would be '
                              f'ignored; {instead}', "prompt": ""}
     if not isinstance(obj, dict):
@@ -126,9 +119,9 @@ def parse_prompt_line(obj, where) -> dict:
             why = check_messages(obj["messages"]) or check_chat_options(obj)
             if why:
                 return {"error": f"{n}: {why}", "prompt": ""}
-            chat = {k: obj[k] for k in ("tools", "documents", "chat_template_kwargs") if obj.get(k) is not None}
+            chat = {k: obj[k] for k in CHAT_FIELDS if obj.get(k) is not None}
             return {"prompt": "", "messages": obj["messages"], **({"chat": chat} if chat else {}), **extra}
-    stray = [k for k in ("tools", "documents", "chat_template_kwargs") if k in obj]
+    stray = [k for k in CHAT_FIELDS if k in obj]
     if stray:
         return {"error": f'{n}: "{stray[0]}" goes with "messages" (a chat), not with a plain prompt', "prompt": ""}
     if not isinstance(obj, dict) or "prompt" not in obj:

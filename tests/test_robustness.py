@@ -215,7 +215,7 @@ def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp
     lines = [{"prompt": "a", "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "logit_bias": {},
               "logprobs": False}, {"prompt": "b", "presence_penalty": 0.5}, {"prompt": "c", "n": 2},
              {"prompt": "d", "logit_bias": {"50256": -100}}, {"prompt": "e", "logprobs": True},
-             {"prompt": "f", "min_tokens": 8}, {"prompt": "g", "n": True}]
+             {"prompt": "f", "min_tokens": 8}, {"prompt": "g", "n": True}, {"prompt": "h", "stop_token_ids": []}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     items = read_prompts_file(str(path))
     assert "error" not in items[0]
@@ -223,3 +223,5 @@ def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp
     assert 'field "n"=2' in items[2]["error"] and "different \"seed\" values" in items[2]["error"]
     assert 'field "logit_bias"' in items[3]["error"] and "workload.logprobs=true" in items[4]["error"]
     assert 'field "min_tokens"=8' in items[5]["error"] and 'field "n"=true' in items[6]["error"]
+    assert 'field "stop_token_ids"=[] is not supported per prompt' in items[7]["error"]  # no neutral value
+    assert 'use "stop" strings' in items[7]["error"]

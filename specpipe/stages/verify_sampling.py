@@ -125,10 +125,8 @@ def position_sample(probs: Tensor, tokens: Tensor, parent: Tensor, u: Tensor, nu
     probs [B,N,V], tokens [B,N], parent [B,N] (-1: root or unlinked), u [B, num_steps+1] ->
     accept_index [B,S+1], accept_len [B], commit [B,S+1] (accepted drafts, the bonus, then the bonus repeated).
     """
-    B, N, V = probs.shape
-    ar = torch.arange(N, device=tokens.device)
-    same = (parent[:, :, None] == parent[:, None, :]) & (tokens[:, :, None] == tokens[:, None, :])
-    cand = (parent >= 0) & ~(same & (ar[None, None, :] < ar[None, :, None])).any(-1)  # first of equal siblings
+    B = probs.shape[0]
+    linked = parent >= 0
     cur = torch.zeros(B, dtype=torch.int64, device=tokens.device)
     alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
     count = torch.zeros(B, dtype=torch.int64, device=tokens.device)
@@ -136,9 +134,9 @@ def position_sample(probs: Tensor, tokens: Tensor, parent: Tensor, u: Tensor, nu
     for d in range(num_steps):
         x = sample_tokens(_rows(probs, cur), u[:, d])  # [B]
         drawn.append(x)
-        child = cand & (parent == cur[:, None]) & (tokens == x[:, None]) & alive[:, None]
+        child = linked & (parent == cur[:, None]) & (tokens == x[:, None]) & alive[:, None]
         acc = child.any(-1)
-        cur = torch.where(acc, child.to(torch.int64).argmax(-1), cur)
+        cur = torch.where(acc, child.to(torch.int64).argmax(-1), cur)  # argmax: the first sibling with x
         count = count + acc.to(torch.int64)
         alive = acc
         path.append(torch.where(acc, cur, torch.full_like(cur, -1)))
