@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
+from specpipe.tokenizer import decode_after, output_text, prompt_context
 
 
 @dataclass
@@ -49,14 +50,19 @@ class _Deltas:
 
     def __init__(self, decode, sink):
         self.decode, self.sink = decode, sink
-        self.state: dict[int, list] = {}  # index -> [ids sent, prefix offset, read offset, characters sent]
+        # index -> [output ids sent, prefix offset, read offset, characters sent, prompt context]; the offsets
+        # index context + output, so the first tokens decode as they read after the prompt (`decode_after`)
+        self.state: dict[int, list] = {}
         self.closed: set[int] = set()
 
     def __call__(self, reqs) -> None:
         for r in reqs:
             if r.index in self.closed:
                 continue
-            st = self.state.setdefault(r.index, [0, 0, 0, 0])
+            st = self.state.get(r.index)
+            if st is None:
+                context = prompt_context(self.decode, getattr(r, "prompt_ids", None) or [])
+                st = self.state[r.index] = [0, 0, len(context), 0, context]
             ids, n = r.output_ids, st[0]
             if len(ids) == n and not r.finished:
                 continue
@@ -65,7 +71,7 @@ class _Deltas:
                 self.state.pop(r.index)
                 # a byte-fallback decoder can rewrite bytes already sent (later bytes made them invalid
                 # UTF-8): then only what extends past the sent length goes out, never the text again
-                delta = self.decode(ids)[st[3]:]
+                delta = decode_after(self.decode, st[4], ids)[st[3]:]
             else:
                 delta = self._advance(st, ids)
             st[0] = len(ids)
@@ -74,12 +80,18 @@ class _Deltas:
             self.sink(StreamEvent(r.index, list(ids[n:]), delta, r.finish_reason, r.error, lps))
 
     def _advance(self, st: list, ids) -> str:
-        prefix, read = st[1], st[2]
-        before = self.decode(ids[prefix:read]) if read > prefix else ""
-        after = self.decode(ids[prefix:])
+        prefix, read, context = st[1], st[2], st[4]
+        c = len(context)
+
+        def part(a: int, b: int) -> list:  # (context + ids)[a:b], without copying the whole output
+            return context[a:b] + list(ids[max(a - c, 0):max(b - c, 0)])
+
+        end = c + len(ids)
+        before = self.decode(part(prefix, read)) if read > prefix else ""
+        after = self.decode(part(prefix, end))
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        st[1], st[2] = read, len(ids)
+        st[1], st[2] = read, end
         delta = after[len(before):]
         st[3] += len(delta)
         return delta
@@ -326,8 +338,8 @@ class SpecPipe:
             if deltas is not None:  # requests that never ran (bad prompts) get their one, final event
                 deltas(out["requests"])
         self.metrics = out["metrics"]
-        decode = self.pair.tokenizer.decode
-        return [Completion(r.index, r.prompt, list(r.output_ids), decode(r.output_ids), r.finish_reason, r.error,
+        return [Completion(r.index, r.prompt, list(r.output_ids), output_text(self.pair.tokenizer, r.prompt_ids,
+                                                                                r.output_ids), r.finish_reason, r.error,
                            None if r.logprobs is None else list(r.logprobs)) for r in out["requests"]]
 
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,

@@ -21,7 +21,7 @@ from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
 from specpipe.schema import SAMPLING_RULES
 from specpipe.stages.prepare_decode import target_kv_layout
-from specpipe.tokenizer import encode_chat, stop_token_ids
+from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.stop_strings import StopStrings
 from specpipe.validate import one_request_slots, run_stop_strings, to_container, validate
@@ -111,8 +111,6 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
         if own:
             r.sampling = tuple(own.get(k, v) for k, v in zip(SAMPLING_RULES, sampling))
         stops = [] if ignore_eos else list(dict.fromkeys([*stop, *it.get("stop", ())]))
-        if stops:
-            r.stop_strings = StopStrings(stops, tokenizer.decode)
         reqs.append(r)
         if "error" in it:
             r.finish_reason, r.error = "error", it["error"]
@@ -148,6 +146,10 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             r.finish_reason = "error"
             r.error = (f"prompt of {len(r.prompt_ids)} tokens plus max_new_tokens={r.max_new_tokens} exceeds the "
                        f"model's context of {max_position} tokens")
+        elif stops:
+            special = getattr(tokenizer, "special_token_id", lambda s: None)
+            r.stop_strings = StopStrings(stops, tokenizer.decode, [i for i in map(special, stops) if i is not None],
+                                         prompt_context(tokenizer.decode, r.prompt_ids))
     return reqs
 
 
@@ -228,10 +230,12 @@ def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
     else:
         raise ConfigError("draft=standalone needs draft.path=DIR: a small causal LM folder (config.json + "
                           "safetensors) with the same tokenizer as the target (see `make train-tiny` in the README)")
-    if pair.standalone.config.vocab_size != pair.target.config.vocab_size:
-        raise ConfigError(f"draft.path={cfg.draft.path!r}: the standalone draft's vocab_size "
-                          f"{pair.standalone.config.vocab_size} differs from the target's "
-                          f"{pair.target.config.vocab_size}; it must share the target's tokenizer")
+    own, tokens = pair.standalone.config.vocab_size, pair.tokenizer.vocab_size
+    if own < tokens:
+        raise ConfigError(f"draft.path={cfg.draft.path!r}: the standalone draft's vocab_size {own} is smaller than "
+                          f"the target's tokenizer ({tokens} tokens); it must share the target's tokenizer (a "
+                          f"vocabulary padded to another size is fine)")
+    pair.standalone.fit_vocab(pair.target.config.vocab_size)  # padded differently: score the target's ids
 
 
 def model_sampling(cfg: DictConfig, pair) -> tuple[DictConfig, str]:
@@ -389,7 +393,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
 
 
 def completion_record(r: Request, tokenizer) -> dict:
-    rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids, "text": tokenizer.decode(r.output_ids),
+    rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids, "text": output_text(tokenizer, r.prompt_ids, r.output_ids),
            "finish_reason": r.finish_reason}
     if r.logprobs is not None:
         rec["logprobs"] = r.logprobs

@@ -143,6 +143,14 @@ def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
         if not isinstance(config, dict):
             raise ChatTemplateError(f"{config_file}: expected a JSON object at the top level")
     special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
+    special_map = folder / "special_tokens_map.json"  # older checkpoints name them only there (transformers reads both)
+    if any(v is None for v in special.values()) and special_map.is_file():
+        try:
+            mapped = json.loads(special_map.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ChatTemplateError(f"{special_map}: not valid JSON ({e})") from None
+        if isinstance(mapped, dict):
+            special = {k: v if v is not None else _token_text(mapped.get(k)) for k, v in special.items()}
     named: dict[str, tuple[str, str]] = {}  # name -> (source, origin)
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]

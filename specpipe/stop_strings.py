@@ -1,24 +1,42 @@
 """Stop strings: a request ends at the token that completes one of its stop strings (HF `stop_strings`).
 
-Checked on the host as committed tokens are appended, over a window of the newest tokens only (long
-enough to hold the longest stop string: every token stands for at least one byte of text (byte-level and
-byte-fallback tokens exactly one), the margin covers special tokens that decode to nothing), so the cost per token does not grow with the output. The tokens
-are kept up to and including the completing one, so the text ends with (or just past) the stop string.
+Matched in the output's text (vLLM's rule: HF also fires on a stop string that begins in the prompt), checked
+on the host as committed tokens are appended, over a window of the newest tokens only, long enough to hold the
+longest stop string: every token stands for at least one byte of text (byte-level and byte-fallback tokens
+exactly one), and the margin covers special tokens that decode to nothing. So the cost per token does not grow
+with the output. The tokens are kept up to and including the completing one, so the text ends with (or just
+past) the stop string. A stop string that spells a special token (`<|im_end|>`) stops at that token's id.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from specpipe.tokenizer import clean_start, decode_after
+
 
 class StopStrings:
-    def __init__(self, stops: Sequence[str], decode: Callable[[list], str]):
+    """`decode`: the tokenizer's; `special_ids`: ids of special tokens spelled as one of the stop strings
+    (decoding skips special tokens, so their text never appears: the id itself stops); `context`: the
+    prompt's last ids (`tokenizer.prompt_context`), so the output's first tokens read as they do after the
+    prompt (a SentencePiece continuation keeps its leading space)."""
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[list], str], special_ids: Sequence[int] = (),
+                 context: Sequence[int] = ()):
         self.stops = tuple(stops)
         self.decode = decode
+        self.special_ids = frozenset(special_ids)
+        self.context = list(context)
         self.window = max(len(s.encode("utf-8")) for s in self.stops) + 8  # a token is at least one byte
 
     def hit(self, output_ids: list) -> bool:
         """Whether the newest token completed a stop string (called after every appended token)."""
-        text = self.decode(output_ids[-self.window:])
+        if output_ids and output_ids[-1] in self.special_ids:
+            return True
+        start = max(len(output_ids) - self.window, 0)
+        if start == 0:
+            text = decode_after(self.decode, self.context, output_ids)
+        else:  # a window that starts inside a character would decode its whole byte run as U+FFFD
+            text = self.decode(output_ids[clean_start(self.decode, output_ids, start):])
         return any(s in text for s in self.stops)
 
 

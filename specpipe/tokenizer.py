@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 class ByteTokenizer:
@@ -39,6 +39,10 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
+        # a file saved with truncation or padding on would cut or pad every prompt: transformers' tokenizer(...)
+        # does neither unless asked, and neither does specpipe
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = eos_token_id
         self.eos_token_ids = tuple(dict.fromkeys([*([eos_token_id] if eos_token_id is not None else []),
@@ -55,6 +59,49 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def special_token_id(self, text: str) -> Optional[int]:
+        """The id of the special token spelled `text` (decoding skips it, so a stop string cannot see it)."""
+        for i, tok in self._tok.get_added_tokens_decoder().items():
+            if tok.special and tok.content == text:
+                return i
+        return None
+
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded before an output (vLLM's initial detokenization offset)
+
+
+def clean_start(decode: Callable[[Sequence[int]], str], ids: Sequence[int], start: int, back: int = 4) -> int:
+    """`start`, or up to `back` tokens earlier, so that decoding ids[start:] does not begin inside a character:
+    a byte-fallback decoder (Llama-2, Mistral) turns a whole run of byte tokens that starts with a UTF-8
+    continuation byte into U+FFFD, valid bytes after it included."""
+    for s in range(start, max(start - back, 0) - 1, -1):
+        if not decode(ids[s:]).startswith("\ufffd"):
+            return s
+    return start
+
+
+def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> list[int]:
+    """The last few prompt ids, starting on a character boundary: the context `decode_after` reads outputs in."""
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        return []
+    return prompt_ids[clean_start(decode, prompt_ids, max(len(prompt_ids) - CONTEXT_TOKENS, 0)):]
+
+
+def decode_after(decode: Callable[[Sequence[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of `ids` as it reads after `context` (prompt + text is then the whole text, as in vLLM): decoded
+    alone, a SentencePiece continuation loses the space of its first word ("The cat" + "sat")."""
+    if not context:
+        return decode(ids)
+    before = decode(context)
+    whole = decode([*context, *ids])
+    return whole[len(before):] if whole.startswith(before) else decode(ids)
+
+
+def output_text(tokenizer, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
+    """A request's output text: its ids decoded after the prompt's last tokens (`decode_after`)."""
+    return decode_after(tokenizer.decode, prompt_context(tokenizer.decode, prompt_ids), output_ids)
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: Optional[list] = None, documents: Optional[list] = None,

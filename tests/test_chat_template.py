@@ -100,6 +100,22 @@ def test_render_and_ids_equal_transformers(tmp_path, template, jinja_file):
         assert tok.encode("x")[0] == tok._tok.token_to_id("<|bos|>")  # plain prompts still get it
 
 
+def test_special_tokens_named_only_in_special_tokens_map(tmp_path):
+    """Older checkpoints name bos/eos only in special_tokens_map.json; transformers reads it, so the template's
+    {{ bos_token }} renders there as here, and tokenizer_config.json still wins where it names one."""
+    transformers = pytest.importorskip("transformers")
+    folder = model_folder(tmp_path, LLAMA3)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    del cfg["bos_token"]
+    cfg["eos_token"] = "<|eot|>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<|bos|>", "eos_token": "<|start|>"}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    text, _ = encode_chat(ours(folder), CHATS[0])
+    assert text.startswith("<|bos|>") and text == hf.apply_chat_template(CHATS[0], tokenize=False,
+                                                                          add_generation_prompt=True)
+
+
 def test_named_templates_pick_default(tmp_path):
     folder = model_folder(tmp_path, [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": QWEN}])
     assert encode_chat(ours(folder), CHATS[0])[0].startswith("<|im_start|>user\n")

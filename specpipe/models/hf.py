@@ -364,7 +364,8 @@ def generation_config(folder: Path) -> dict:
 
 def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
     """The ids that end a request: generation_config.json's `eos_token_id` (an int or a list) where it names
-    one, else config.json's, as HF `generate` takes them (it reads config.json only without the file).
+    one, else config.json's. HF `generate` reads config.json only when the file is missing, so a
+    generation_config.json without `eos_token_id` makes it decode past EOS; vLLM, like specpipe, still stops there.
 
     Instruct models often list several there (Llama-3: <|end_of_text|>, <|eom_id|>, <|eot_id|>) while
     config.json names only one."""
@@ -425,8 +426,13 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
                                   f"describe a usable tokenizer: {e}") from None
     elif (folder / "tokenizer.json").is_file():
         eos = eos_ids(folder, cfg)
-        tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=eos[0] if eos else None,
-                          bos_token_id=cfg.bos_token_id, eos_token_ids=eos)
+        try:
+            tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=eos[0] if eos else None,
+                              bos_token_id=cfg.bos_token_id, eos_token_ids=eos)
+        except Exception as e:  # the tokenizers package's own words, with the file named
+            raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file the `tokenizers` package can "
+                                  f"read ({str(e) or type(e).__name__}); copy tokenizer.json again from the model's "
+                                  f"Hugging Face repo") from None
     else:
         raise CheckpointError(f"{folder / 'tokenizer.json'}: file not found, and config.json has no "
                               f"'specpipe_tokenizer' field; copy tokenizer.json from the model's Hugging Face repo "

@@ -235,3 +235,25 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)
+
+    def fit_vocab(self, n: int) -> None:
+        """Inference, as a draft for a target with `n` ids sharing its tokenizer (checkpoints pad their vocabularies
+        differently: Qwen2.5-7B has 152064 ids, 0.5B 151936): ids past this model's own embed as zeros and score
+        -inf (never drafted); ids past `n` are no longer scored."""
+        own = self.config.vocab_size
+        if n == own:
+            return
+        w = self.lm_head.weight.detach()
+        head = nn.Linear(w.shape[1], n, bias=n > own, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            head.weight.zero_()
+            head.weight[:min(n, own)] = w[:n]
+            if n > own:
+                head.bias.zero_()
+                head.bias[own:] = float("-inf")
+                emb = self.embed_tokens.weight.detach()
+                self.embed_tokens = nn.Embedding(n, emb.shape[1], device=emb.device, dtype=emb.dtype)
+                self.embed_tokens.weight.zero_()
+                self.embed_tokens.weight[:own] = emb
+        self.lm_head = head.requires_grad_(False)
+        self.config.vocab_size = n

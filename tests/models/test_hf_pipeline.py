@@ -173,3 +173,49 @@ def test_logprobs_are_the_targets_raw_log_probabilities(make_hf_model, edit_conf
     assert run(compose("model=hf", f"model.path={folder}", "draft=none", "device.dtype=float64",
                        f"workload.prompts_file={path}", "workload.max_new_tokens=2"), quiet=True)[
         "requests"][0].logprobs is None  # off by default
+
+
+def test_a_standalone_draft_padded_to_another_vocab_size(make_hf_model, edit_config, tmp_path):
+    """Checkpoints that share a tokenizer pad their vocabularies differently (Qwen2.5-7B: 152064, 0.5B: 151936).
+    The draft here is the target itself, padded: with 16 more ids, whose large rows would win most argmaxes
+    unless dropped; with 16 fewer, which it must never draft. Both decode the target's greedy text and accept
+    nearly every draft; the sampled chain (rejection sampling over the draft's probabilities) runs too."""
+    from safetensors.torch import load_file, save_file
+
+    small = tmp_path / "v300"
+    make_hf_model("llama", seed=21).save_pretrained(small)
+    edit_config(small, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299})
+    g = torch.Generator().manual_seed(22)
+
+    def padded(name: str, rows: int, scale: float):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text((small / "config.json").read_text())
+        sd = load_file(small / "model.safetensors")
+        for key in ("model.embed_tokens.weight", "lm_head.weight"):
+            w = sd[key]
+            sd[key] = w[:rows] if rows <= len(w) else torch.cat([w, scale * torch.randn(rows - len(w), w.shape[1],
+                                                                                          generator=g)])
+        save_file(sd, folder / "model.safetensors")
+        edit_config(folder, vocab_size=rows)
+        return folder
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [7 * i + j for j in range(5)]}) + "\n" for i in range(3)))
+
+    def decode(target, *extra):
+        return run(compose("model=hf", f"model.path={target}", "device.dtype=float64", f"workload.prompts_file={prompts}",
+                           f"workload.max_new_tokens={MAX_NEW}", "workload.ignore_eos=true", *extra), quiet=True)
+
+    # a draft whose 16 extra ids would win; a target whose 16 extra ids the smaller draft cannot propose
+    for target, draft in ((small, padded("v316_draft", 316, 3.0)), (padded("v316_target", 316, 0.01), small)):
+        plain = decode(target, "draft=none")
+        spec = decode(target, "draft=standalone", f"draft.path={draft}", "draft.topk=1", "draft.num_steps=3")
+        assert [r.output_ids for r in spec["requests"]] == [r.output_ids for r in plain["requests"]]
+        assert spec["metrics"]["num_errors"] == 0 and spec["metrics"]["accept_length_mean"] > 3
+        sampled = decode(target, "draft=standalone", f"draft.path={draft}", "draft.topk=1", "draft.num_steps=3",
+                         "sampling.temperature=1.0")
+        assert sampled["metrics"]["num_errors"] == 0
+        assert all(len(r.output_ids) == MAX_NEW and max(r.output_ids) < 316 for r in sampled["requests"])
+    with pytest.raises(Exception, match="vocab_size 280 is smaller than the target's tokenizer \\(300 tokens\\)"):
+        decode(small, "draft=standalone", f"draft.path={padded('v280', 280, 0)}")

@@ -216,6 +216,11 @@ def test_tokenizers(target_copy, edit_config):
     assert isinstance(tok, HFTokenizer) and tok.eos_token_id == 257
     edit_config(target_copy, specpipe_tokenizer={"type": "sentencepiece"})
     _raises(lambda: load_hf(target_copy), "'specpipe_tokenizer'", "sentencepiece")
+    edit_config(target_copy, specpipe_tokenizer=None)
+    text = (target_copy / "tokenizer.json").read_text()
+    (target_copy / "tokenizer.json").write_text(text[:len(text) // 2])  # cut short, as by a failed download
+    _raises(lambda: load_hf(target_copy), str(target_copy / "tokenizer.json"), "not a tokenizer file",
+            "EOF while parsing")
 
 
 def test_eagle_head_errors(saved, tmp_path, edit_config):

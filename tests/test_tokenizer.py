@@ -1,0 +1,131 @@
+"""HF tokenizers as real checkpoints ship them: output text read after the prompt, stop strings over
+byte-fallback runs and special tokens, and tokenizer.json files saved with truncation or padding on."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specpipe.stop_strings import StopStrings
+from specpipe.tokenizer import ByteTokenizer, HFTokenizer, decode_after, output_text, prompt_context
+
+CORPUS = ["The cat sat on the mat.", "I'm here, you're there.", "Hello world, hello there, cat."] * 20
+
+
+def llama2_style(path: Path, **save) -> None:
+    """A Llama-2-like tokenizer.json: SentencePiece BPE (▁ for spaces, one stripped at the start), byte fallback
+    (<0x..> tokens: every non-ASCII character here is spelled in bytes) and a <s> post-processor."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    def metaspace(t):
+        t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+
+    plain = Tokenizer(models.BPE())
+    metaspace(plain)
+    plain.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    plain.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=120, show_progress=False))
+    learnt = json.loads(plain.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(learnt["vocab"], key=learnt["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learnt["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    metaspace(tok)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    if save.get("truncate"):
+        tok.enable_truncation(max_length=save["truncate"])
+    if save.get("pad"):
+        tok.enable_padding(length=save["pad"], pad_id=2, pad_token="</s>")
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory) -> HFTokenizer:
+    path = tmp_path_factory.mktemp("llama2") / "tokenizer.json"
+    llama2_style(path)
+    return HFTokenizer(path, eos_token_id=2, bos_token_id=1)
+
+
+def split(tok, prompt: str, whole: str) -> tuple[list, list]:
+    """(prompt ids, output ids) of `whole`, which starts with `prompt` and tokenizes with its ids first."""
+    p, w = tok.encode(prompt), tok.encode(whole)
+    assert w[:len(p)] == p
+    return p, w[len(p):]
+
+
+def test_output_text_reads_after_the_prompt(sp):
+    prompt, out = split(sp, "The cat", "The cat sat on the mat.")
+    assert sp.decode(out) == "sat on the mat."  # alone, the first word loses its space (HF decode(output_ids))
+    assert output_text(sp, prompt, out) == " sat on the mat."  # vLLM's text: prompt + text reads right
+    assert sp.decode(prompt) + output_text(sp, prompt, out) == sp.decode(prompt + out)
+    byte = ByteTokenizer()
+    ids = byte.encode("naïve ★")
+    assert output_text(byte, byte.encode("x"), ids) == "naïve ★"
+    # a context that starts inside a character is moved back to its first byte, so the run still decodes
+    cjk = sp.encode("猫")
+    ctx = prompt_context(sp.decode, cjk + sp.encode("x")[1:])
+    assert "\ufffd" not in sp.decode(ctx)
+    assert decode_after(sp.decode, [], out) == sp.decode(out)
+
+
+def first_hit(stops: StopStrings, out: list) -> int:
+    return next((n for n in range(1, len(out) + 1) if stops.hit(out[:n])), -1)
+
+
+@pytest.mark.parametrize("stop", ["麟", "麒麟", "\n\n", "\nI'm", " here,", "mat.", " sat"])
+def test_stop_strings_fire_at_the_completing_token(sp, stop):
+    """Reference: the first output prefix whose whole text (read after the prompt) holds the stop string. A
+    window that starts inside a run of byte tokens decoded that whole run as U+FFFD and missed it."""
+    prompt, out = split(sp, "The cat", "The cat sat on the mat. 龍虎鳳凰麒麟\n\nI'm here, 猫 sat.")
+    want = next(n for n in range(1, len(out) + 1) if stop in output_text(sp, prompt, out[:n]))
+    got = first_hit(StopStrings([stop], sp.decode, context=prompt_context(sp.decode, prompt)), out)
+    assert got == want, (stop, got, want)
+
+
+def test_a_stop_at_the_start_of_the_output_needs_the_prompt(sp):
+    prompt, out = split(sp, "The cat", "The cat sat on the mat. The cat sat.")
+    assert first_hit(StopStrings([" sat"], sp.decode, context=prompt_context(sp.decode, prompt)), out) == 1
+    assert first_hit(StopStrings([" sat"], sp.decode), out) > 1  # without the prompt: only the second one
+
+
+def test_a_stop_string_that_spells_a_special_token(sp):
+    """Decoding skips special tokens, so "</s>" never shows in the text: the id stops instead."""
+    assert sp.special_token_id("</s>") == 2 and sp.special_token_id("cat") is None
+    out = sp.encode("cat")[1:] + [2] + sp.encode("mat")[1:]
+    assert "</s>" not in sp.decode(out)
+    stops = StopStrings(["</s>", "xyz"], sp.decode, special_ids=[2])
+    assert first_hit(stops, out) == out.index(2) + 1
+
+
+def test_saved_truncation_and_padding_are_ignored(tmp_path, sp):
+    """transformers' tokenizer(prompt) neither truncates nor pads unless asked, whatever tokenizer.json saved."""
+    text = "The cat sat on the mat. " * 6
+    for name, save in {"truncate": {"truncate": 8}, "pad": {"pad": 400}}.items():
+        path = tmp_path / f"{name}.json"
+        llama2_style(path, **save)
+        raw = json.loads(path.read_text())
+        assert raw["truncation" if name == "truncate" else "padding"] is not None
+        assert HFTokenizer(path).encode(text) == sp.encode(text)
+
+
+def test_stream_deltas_add_up_to_the_text_read_after_the_prompt(sp):
+    from specpipe.api import _Deltas
+
+    class Req:
+        index, finish_reason, error, logprobs = 0, None, None, None
+
+        def __init__(self, prompt_ids, output_ids, finished):
+            self.prompt_ids, self.output_ids, self.finished = prompt_ids, output_ids, finished
+
+    prompt, out = split(sp, "The cat", "The cat sat on the mat. 龍虎 I'm here.")
+    events = []
+    deltas = _Deltas(sp.decode, events.append)
+    for n in range(1, len(out) + 1):
+        deltas([Req(prompt, out[:n], n == len(out))])
+    assert events[0].text == " sat"
+    assert "".join(e.text for e in events) == output_text(sp, prompt, out) == " sat on the mat. 龍虎 I'm here."
+    assert all("\ufffd" not in e.text for e in events)
