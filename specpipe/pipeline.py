@@ -46,8 +46,20 @@ class Request:
 
     @property
     def context_ids(self) -> list:
-        """What a (re-)prefill runs over: the prompt and everything generated so far."""
+        """The prompt and everything generated so far."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def resumed(self) -> bool:
+        """Re-admitted after a retraction with tokens already generated."""
+        return self.retractions > 0 and bool(self.output_ids)
+
+    @property
+    def prefill_ids(self) -> list:
+        """What an admission prefills: the prompt; after a retraction, the context without its newest token,
+        which stays the next round's root as it was before (a re-prefill that drew the next token itself
+        would draw it with another coin than the round it replaces: a sampled standalone chain's own)."""
+        return self.prompt_ids + self.output_ids[:-1] if self.resumed else self.prompt_ids
 
     @property
     def finished(self) -> bool:
@@ -184,14 +196,15 @@ class Pipeline:
             self.prep.release_rows([r for r in rows if r is not None])
             return None
         rows_np = np.asarray(rows, dtype=np.int64)
-        lens = np.asarray([len(r.context_ids) for r in reqs], dtype=np.int64)
+        prefill = [r.prefill_ids for r in reqs]
+        lens = np.asarray([len(p) for p in prefill], dtype=np.int64)
         if not self.prep.reserve(rows_np, lens):
             self.prep.release_rows(rows)
             return None
         T = int(lens.max())
         ids = torch.zeros((len(reqs), T), dtype=torch.int64)
-        for b, r in enumerate(reqs):
-            ids[b, : lens[b]] = torch.tensor(r.context_ids, dtype=torch.int64)
+        for b, p in enumerate(prefill):
+            ids[b, : lens[b]] = torch.tensor(p, dtype=torch.int64)
         ids = ids.to(self.dev)
         rows_t = torch.from_numpy(rows_np).to(self.dev)
         lens_t = torch.from_numpy(lens).to(self.dev)
@@ -247,16 +260,22 @@ class Pipeline:
             rows_np, ids, hidden, batch, last, logits = out
             old = len(self.reqs)
             self.sampling.join([r.seed for r in reqs], [r.sampling for r in reqs],
-                               [r.context_ids for r in reqs] if self.sampling.penalized else None)
+                               [r.prefill_ids for r in reqs] if self.sampling.penalized else None)
             new_rows = torch.arange(old, old + len(reqs), device=self.dev)
             raw = self.raw_logits(logits)
-            first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(context)
+            first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(prefill)
+            resumed = [r.resumed for r in reqs]
+            if any(resumed):  # their newest token is already generated: it is the root again
+                known = torch.tensor([r.output_ids[-1] if r.resumed else 0 for r in reqs], dtype=first.dtype)
+                first = torch.where(torch.tensor(resumed, device=self.dev), known.to(self.dev), first)
             self.sampling.note(first[:, None], rows=new_rows)
             finite = torch.isfinite(logits).all(-1)
             host = torch.stack([first, finite.to(first.dtype)], 1).tolist()
             lps = self.token_logprobs(raw, first[:, None])
             now = time.perf_counter()
             for i, (r, (t, ok)) in enumerate(zip(reqs, host)):
+                if r.resumed:
+                    continue
                 if not ok:
                     self.fail(r, "the target's logits contained NaN or inf at prefill")
                     continue

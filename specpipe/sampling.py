@@ -59,6 +59,7 @@ class SamplingState:
         rows = [tuple(q) + self.params[len(q):] if q is not None else self.params
                 for q in (params or [None] * len(seeds))]
         t, p, k, r = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
+        t = [0.0 if v < GREEDY_TEMPERATURE else v for v in t]  # decided here: float32 rounds 9.9999999e-6 to 1e-5
         self.temperature = torch.cat([self.temperature, torch.tensor(t, dtype=torch.float32, device=self.dev)])
         self.top_p = torch.cat([self.top_p, torch.tensor(p, dtype=torch.float32, device=self.dev)])
         self.top_k = torch.cat([self.top_k, torch.tensor(k, dtype=torch.int64, device=self.dev)])
@@ -92,8 +93,9 @@ class SamplingState:
         """logits [B, ..., V] with the entries idx [B, ..., K] penalized (HF's rule; repeated ids agree), in
         place: the step's fresh logits, so no copy of [B, ..., V] is made."""
         orig = logits.gather(-1, idx)
-        p = penalty.view(-1, *([1] * (logits.dim() - 1))).to(logits.dtype)
-        return logits.scatter_(-1, idx, torch.where(orig > 0, orig / p, orig * p))
+        f = torch.finfo(logits.dtype)  # an extreme penalty saturates instead of making inf (or 0 * inf: NaN)
+        p = penalty.view(-1, *([1] * (logits.dim() - 1))).to(logits.dtype).clamp(min=f.tiny, max=f.max)
+        return logits.scatter_(-1, idx, torch.where(orig > 0, orig / p, orig * p).clamp(min=f.min, max=f.max))
 
     def penalize_tree(self, logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
         """Verify logits [B, N, V] (changed in place) of tree nodes tokens [B, N]; mask [B, N, N]: node j's

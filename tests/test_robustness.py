@@ -46,7 +46,11 @@ def mixed_prompts(n, seed=0):
     return [{"prompt": "".join(rng.choice("abcdefgh ()=:") for _ in range(rng.randint(1, 40)))} for _ in range(n)]
 
 
-@pytest.mark.parametrize("draft", [["draft.topk=4", "draft.num_steps=3"], ["draft=none"]])
+@pytest.mark.parametrize("draft", [["draft.topk=4", "draft.num_steps=3"], ["draft=none"],
+                                   # rejection-sampled chains draw with their own coins: a re-admitted request must
+                                   # resume the round it was in, not draw its next token with plain decoding's coin
+                                   ["draft=standalone", "draft.topk=1", "draft.num_steps=3", "sampling.temperature=1.0"]],
+                         ids=["eagle", "none", "sampled-standalone-chain"])
 def test_memory_pressure_outputs_equal_ample_pool(tmp_path, pair, draft):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(200)))

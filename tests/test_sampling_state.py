@@ -49,3 +49,31 @@ def test_a_state_without_a_penalty_keeps_no_context():
     state.join([1], [(0.0, 1.0, 0)])
     logits = torch.randn(1, 4, 10)
     assert not state.penalized and state.penalize_tree(logits, torch.zeros(1, 4, dtype=torch.long), None) is logits
+
+
+def test_extreme_penalties_saturate_instead_of_making_inf_or_nan():
+    """Any finite penalty > 0 is valid: one that overflows float32 (1e39) or underflows it (1e-300) must still
+    leave finite logits (a non-finite logit fails the request as if the target had produced it)."""
+    logits = torch.tensor([[[2.0, -3.0, 0.0, 1.0]]])
+    state = SamplingState(0.0, 1.0, 0, "cpu", max_context=4, penalized=True)
+    state.join([1, 2], [(0.0, 1.0, 0, 1e39), (0.0, 1.0, 0, 1e-300)], [[0, 1, 2], [0, 1, 2]])
+    out = state.penalize_tree(logits.expand(2, 1, 4).clone(), torch.tensor([[3], [3]]),
+                              torch.ones(2, 1, 1, dtype=torch.bool))
+    assert torch.isfinite(out).all()
+    big, tiny = out[0, 0], out[1, 0]
+    assert big[0] < 1e-30 and big[1] < -1e38 and big[2] == 0  # 2/1e39, -3*1e39, 0 untouched in sign
+    assert tiny[0] > 1e38 and -1e-30 < tiny[1] <= 0  # the reverse: the repeated token is all but forced
+    assert 0 < big[3] < 1e-30  # the node's own token (3, on its path) is penalized too
+
+
+def test_a_temperature_just_below_the_greedy_cutoff_is_greedy_in_float32_too():
+    from specpipe.stages.verify_sampling import GREEDY_TEMPERATURE, process_logits
+
+    t = 9.9999999e-6  # < 1e-5, but float32 rounds it to 1e-5
+    assert t < GREEDY_TEMPERATURE and torch.tensor(t, dtype=torch.float32) == GREEDY_TEMPERATURE
+    state = SamplingState(0.7, 1.0, 0, "cpu")
+    state.join([1, 2], [(t, 1.0, 0), None])
+    assert state.temperature.tolist() == [0.0, torch.tensor(0.7).item()]
+    probs = process_logits(torch.tensor([[[0.0, 1e-5, -3.0]]]), state.temperature[:1], state.top_p[:1],
+                           state.top_k[:1])
+    assert probs[0, 0].tolist() == [0.0, 1.0, 0.0]

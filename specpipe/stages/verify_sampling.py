@@ -70,10 +70,11 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below are greedy (vLLM's rule): logits
 def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
     """logits [B,N,V], per-request temperature/top_p [B] float, top_k [B] int -> probs [B,N,V] float32.
 
-    softmax(logits / T), keep the top_k most likely (top_k <= 0: all), renormalise, keep the
-    smallest prefix whose mass reaches top_p (top_p >= 1: all; never less than the most likely token, even
-    when a tiny top_p rounds to 0 in float32), renormalise. T < GREEDY_TEMPERATURE is greedy:
-    a one-hot at the argmax (so greedy and sampled requests share one batch).
+    softmax(logits / T), keep the top_k most likely and every token tied with the k-th (as HF's TopKLogitsWarper
+    and vLLM; top_k <= 0: all), renormalise, keep the smallest prefix whose mass reaches top_p (top_p >= 1: all,
+    though the float32 cumulative sum overshoots 1; never less than the most likely token, even when a tiny
+    top_p rounds to 0 in float32), renormalise. T < GREEDY_TEMPERATURE is greedy: a one-hot at the argmax (so
+    greedy and sampled requests share one batch).
     """
     B, N, V = logits.shape
     x = logits.float()
@@ -83,11 +84,13 @@ def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Te
     sp, si = probs.sort(dim=-1, descending=True, stable=True)  # [B,N,V]
     rank = torch.arange(V, device=logits.device)
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
-    keep = rank < k[:, None, None]
+    kth = sp.gather(-1, (k - 1).view(B, 1, 1).expand(B, N, 1))  # [B,N,1] the k-th largest probability
+    keep = sp >= kth
     sp = torch.where(keep, sp, torch.zeros_like(sp))
     sp = sp / sp.sum(-1, keepdim=True)
     before = sp.cumsum(-1) - sp  # mass of strictly more likely tokens
-    keep = keep & ((before < top_p.float()[:, None, None]) | (rank == 0))  # the most likely always stays
+    nucleus = (before < top_p.float()[:, None, None]) | (top_p >= 1)[:, None, None]
+    keep = keep & (nucleus | (rank == 0))  # the most likely always stays
     sp = torch.where(keep, sp, torch.zeros_like(sp))
     out = torch.zeros_like(probs).scatter(-1, si, sp)
     out = out / out.sum(-1, keepdim=True)

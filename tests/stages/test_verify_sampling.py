@@ -38,6 +38,20 @@ def test_process_logits_keeps_at_least_one_token_and_normalises():
     assert (out[0].argmax(-1) == logits[0].argmax(-1)).all()
 
 
+def test_process_logits_keeps_top_k_ties_and_the_whole_tail_at_top_p_one():
+    """Every token tied with the k-th stays (HF's TopKLogitsWarper, vLLM), not the lowest ids among them; and
+    top_p=1 keeps all tokens although float32's cumulative sum passes 1 before the tail."""
+    logits = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 0.5])[None, None]
+    out = process_logits(logits, rows(1.0), rows(1.0), rows(2))[0, 0]
+    want = torch.softmax(torch.tensor([-math.inf, 3.0, 2.0, 2.0, 2.0, -math.inf]), -1)
+    torch.testing.assert_close(out, want)
+    g = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(2, 1, 32000, generator=g)
+    out = process_logits(logits, rows(0.7, 1.0), rows(1.0, 1.0), rows(0, 0))
+    ref = torch.softmax(logits.double() / torch.tensor([0.7, 1.0]).double()[:, None, None], -1)
+    assert ((out > 0) == (ref > 0)).all()
+
+
 def test_coins_deterministic_uniform_and_batch_independent():
     seed, ctr = torch.arange(20000) * 7919, torch.full((20000,), 123)
     u = uniform_coins(seed, ctr, 4, STREAM_ACCEPT)
