@@ -132,20 +132,38 @@ class Pipeline:
             self.keep(torch.from_numpy(np.flatnonzero(keep)).to(self.dev))
         return out
 
+    def fitting_prefix(self, reqs: list[Request]) -> int:
+        """How many of `reqs`, in order, can be admitted now with room for the next step: their prefill
+        stays while the step needs room for every request's growth or the drafts' scratch, whichever is
+        larger (the scratch is handed back before verify). One pass: the need only grows with the count."""
+        if not reqs:
+            return 0
+        lens = np.asarray([len(r.prompt_ids) + len(r.output_ids) - r.resumed for r in reqs], dtype=np.int64)
+        prefill = self.pages(lens)
+        seq, owned = self.prep.seq_len[self.rows], self.prep.alloc_len[self.rows]
+        grow_running = int((self.pages(np.maximum(owned, seq + self.growth)) - self.pages(owned)).sum())
+        grow = grow_running + np.cumsum(self.pages(lens + self.growth) - prefill)
+        count = len(self.reqs) + np.arange(1, len(reqs) + 1)
+        scratch = self.pages(np.asarray(self.scratch_tokens(count), dtype=np.int64) + 0 * count)
+        need = (np.cumsum(prefill) + np.maximum(grow, scratch)) * self.prep.ps
+        return int(np.searchsorted(need, self.prep.alloc.available(), side="right"))
+
     def admit_fits(self, reqs: list[Request]) -> bool:
-        lens = np.asarray([len(r.context_ids) + self.growth for r in reqs])
-        running = self.prep.seq_len[self.rows] + self.growth - self.prep.alloc_len[self.rows]
-        need = int(self.pages(lens).sum() + self.pages(np.maximum(running, 0)).sum())
-        need = max(need, int(self.pages(self.scratch_tokens(len(self.reqs) + len(reqs)))))
-        return need * self.prep.ps <= self.prep.alloc.available()
+        return self.fitting_prefix(reqs) == len(reqs)
 
     def fail(self, req: Request, message: str) -> None:
         req.finish_reason, req.error = "error", message
 
     def fail_too_big(self, req: Request) -> None:
-        """The request cannot fit even alone: it fails, the run goes on."""
-        self.fail(req, f"the KV pool ({self.prep.alloc.size} slots) cannot hold this request's "
-                       f"{len(req.context_ids) + self.growth} tokens; raise allocator.num_slots")
+        """The request cannot fit even alone: it fails (keeping what it generated), the run goes on."""
+        tokens = len(req.prompt_ids) + len(req.output_ids) + self.growth
+        scratch = int(self.pages(self.scratch_tokens(1))) * self.prep.ps
+        also = f" plus {scratch} slots of draft scratch" if scratch else ""
+        at = f" (after {len(req.output_ids)} generated tokens, which are kept)" if req.output_ids else ""
+        self.fail(req, f"the KV pool ({self.prep.alloc.size} slots) cannot hold this request's {tokens} tokens"
+                       f"{also}{at}; raise allocator.num_slots to at least "
+                       f"{self.pages(len(req.prompt_ids) + req.max_new_tokens + self.growth) * self.prep.ps + scratch} "
+                       f"for it to finish")
 
     # ---- host-side token bookkeeping ---------------------------------------------------
     def append_tokens(self, req: Request, tokens: list, logprobs: Optional[list] = None) -> int:

@@ -82,7 +82,7 @@ def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_
 
 def admit_some(pipe: Pipeline, group: list[Request]) -> int:
     """Admit the longest prefix of `group` that fits; a request that cannot fit even alone fails."""
-    n = len(group)
+    n = pipe.fitting_prefix(group)
     while n > 0 and not pipe.admit(group[:n]):
         n -= 1
     if n == 0 and not pipe.reqs:

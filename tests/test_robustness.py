@@ -229,3 +229,48 @@ def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp
     assert 'field "min_tokens"=8' in items[5]["error"] and 'field "n"=true' in items[6]["error"]
     assert 'field "stop_token_ids"=[] is not supported per prompt' in items[7]["error"]  # no neutral value
     assert 'use "stop" strings' in items[7]["error"]
+
+
+def test_admission_leaves_room_for_the_next_step(tmp_path, pair, monkeypatch):
+    """A request is admitted only when its prefill and the next step (every request's growth, or the drafts'
+    scratch) both fit; admitting on the prefill alone evicted it again in the very next step (the paged
+    allocator's scratch is whole pages per request): prefill, retract, prefill again, over and over."""
+    from specpipe.pipeline import Pipeline
+
+    admitted, bounced = [], []
+    admit, make_room = Pipeline.admit, Pipeline.make_room
+
+    def spy_admit(self, reqs):
+        ok = admit(self, reqs)
+        admitted[:] = [r.index for r in reqs] if ok else []
+        return ok
+
+    def spy_make_room(self):
+        out = make_room(self)
+        bounced.extend(r.index for r in out if r.index in admitted)
+        admitted.clear()
+        return out
+
+    monkeypatch.setattr(Pipeline, "admit", spy_admit)
+    monkeypatch.setattr(Pipeline, "make_room", spy_make_room)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(48, seed=3)))
+    out = run_on(path, pair, "workload.max_new_tokens=24", "workload.batch_size=16", "draft.topk=4",
+                 "draft.num_steps=3", "allocator=paged", "allocator.page_size=16", "allocator.num_slots=1024")
+    assert out["metrics"]["retractions"] > 0 and out["metrics"]["num_errors"] == 0  # the pool is tight
+    assert bounced == []
+
+
+def test_a_request_the_pool_cannot_finish_says_what_it_needs(tmp_path, pair):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt_ids": list(range(3, 67))}) + "\n")
+    out = run_on(path, pair, "workload.max_new_tokens=60", "workload.ignore_eos=true", "draft.topk=4",
+                 "draft.num_steps=3", "allocator=paged", "allocator.page_size=16", "allocator.num_slots=240")
+    r = out["requests"][0]
+    assert r.finish_reason == "error" and r.output_ids  # decoded while it fitted; those tokens are kept
+    assert f"after {len(r.output_ids)} generated tokens, which are kept" in r.error
+    assert "slots of draft scratch" in r.error and "raise allocator.num_slots to at least" in r.error
+    need = int(r.error.split("at least ")[1].split()[0])
+    done = run_on(path, pair, "workload.max_new_tokens=60", "workload.ignore_eos=true", "draft.topk=4",
+                  "draft.num_steps=3", "allocator=paged", "allocator.page_size=16", f"allocator.num_slots={need}")
+    assert done["requests"][0].finish_reason == "length"  # the size it names is enough
