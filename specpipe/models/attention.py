@@ -133,6 +133,24 @@ def sparse_select(q: Tensor, keys: Tensor, mask: Tensor, positions: Tensor, kv_p
     return mask & (recent | (pick & cand))
 
 
+BAND_CHUNK = 256  # queries per chunk of a banded (sliding-window) prefill
+
+
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, window: int, chunk: Optional[int] = None) -> Tensor:
+    """Causal sliding-window attention over one forward's own K/V: query i sees keys (i - window, i].
+    q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, H, T, D]. Chunks of `chunk` queries each read only their band
+    of keys, so the scores held at once are [B, H, chunk, chunk + window - 1] instead of [B, H, T, T]."""
+    T, chunk = q.shape[1], chunk or BAND_CHUNK
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    outs = []
+    for a in range(0, T, chunk):
+        b, lo = min(a + chunk, T), max(0, a - window + 1)
+        dist = torch.arange(a, b, device=q.device)[:, None] - torch.arange(lo, b, device=q.device)[None, :]
+        outs.append(F.scaled_dot_product_attention(qt[:, :, a:b], kt[:, :, lo:b], vt[:, :, lo:b],
+                                                   attn_mask=(dist >= 0) & (dist < window), enable_gqa=True))
+    return torch.cat(outs, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
@@ -180,10 +198,7 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=True)
         elif batch is None:  # causal and within the sliding window
-            i = torch.arange(Q, device=x.device)
-            dist = i[:, None] - i[None, :]  # [Q, Q]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=(dist >= 0) & (dist < self.window), enable_gqa=True)
+            o = banded_attention(q, k, v, self.window)
         else:
             o = self._pool_attention(q, k, v, batch, kv)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, self.n_heads * self.hd))
@@ -204,6 +219,10 @@ class Attention(nn.Module):
         # stale or non-finite K/V elsewhere in the pool can never leak in through a 0 * NaN
         ks[0].zero_()
         vs[0].zero_()
+        if batch.fresh_causal and self.window is not None and self.top_k is None and batch.segments is None:
+            # prefill of a sliding-window layer: each query chunk attends to its band of the fresh K/V only,
+            # so memory and time grow with T * window, not T^2 (a [B, H, T, T] score matrix per layer)
+            return banded_attention(q, k.to(ks.dtype).to(q.dtype), v.to(vs.dtype).to(q.dtype), self.window)
         if batch.fresh_causal and self.window is None and self.top_k is None:
             # prefill with no cached prefix: valid queries see only earlier (valid) keys of this forward,
             # so a causal kernel over the fresh K/V (as stored, dtype round trip included) is exact and

@@ -26,21 +26,30 @@ def prefill(pair, lens, fresh, kv_dtype=None):
 @pytest.mark.parametrize("kv_dtype", [None, torch.float32])
 def test_fresh_causal_prefill_equals_the_masked_pool_path(window, kv_dtype, monkeypatch):
     """Same hidden states on every valid position and the same KV pool, for ragged (right-padded)
-    prompts; sliding-window layers keep the masked path. The fast path really runs (counted)."""
+    prompts; sliding-window layers attend to their band of the fresh K/V, in query chunks (4 here, so bands
+    cross chunk boundaries). The fast paths really run (counted)."""
     pair = build_random_tiny(seed=4, dtype="float64", sliding_window=window)
     lens = [7, 1, 12, 5]
     calls = []
     sdpa = attention_mod.F.scaled_dot_product_attention
 
     def spy(*a, **k):
-        calls.append(k.get("is_causal", False))
+        calls.append("causal" if k.get("is_causal") else tuple(a[1].shape[2:3]))
         return sdpa(*a, **k)
 
     want, wk, wv = prefill(pair, lens, fresh=False, kv_dtype=kv_dtype)
     monkeypatch.setattr(attention_mod.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention_mod, "BAND_CHUNK", 4)
     got, gk, gv = prefill(pair, lens, fresh=True, kv_dtype=kv_dtype)
     monkeypatch.undo()
-    assert any(calls) == (window is None)  # dense layers take the causal kernel, windowed ones do not
+    if window is None:  # dense layers take the causal kernel
+        assert set(calls) == {"causal"}
+    else:  # chunks of 4 queries, each over at most 4 + window - 1 keys: never the whole [T, T]
+        assert "causal" not in calls and max(calls) <= (4 + window - 1,) and len(calls) % 3 == 0
     for b, n in enumerate(lens):
         torch.testing.assert_close(got[b, :n], want[b, :n], rtol=0, atol=1e-9)
-    assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    if window is None:
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    else:  # later layers' K/V follow hidden states that differ in the last bits (a band's own reduction order)
+        torch.testing.assert_close(gk, wk, rtol=0, atol=1e-9)
+        torch.testing.assert_close(gv, wv, rtol=0, atol=1e-9)
