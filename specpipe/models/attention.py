@@ -244,7 +244,7 @@ class Attention(nn.Module):
         windowed = self.window is not None and batch.kv_positions is not None
         sparse = self.top_k is not None and batch.kv_positions is not None
         if windowed or sparse:
-            mask = batch.mask
+            mask = batch.attend_mask()
             if windowed:
                 dist = batch.positions[:, :, None] - batch.kv_positions[:, None, :]  # [B, Q, Lkv]
                 mask = mask & (dist < self.window)

@@ -19,7 +19,7 @@ class AttentionBatch:
     positions: Tensor  # [B, Q] int64 RoPE position of each query token
     out_slots: Tensor  # [B, Q] int64 KV-pool slot each query writes (padding rows write slot 0)
     kv_slots: Tensor  # [B, Lkv] int64 slots each request reads (padding columns read slot 0)
-    mask: Tensor  # [B, Q, Lkv] bool, True where query q may attend key column k
+    mask: Optional[Tensor]  # [B, Q, Lkv] bool, True where query q may attend key column k (None: see `causal`)
     kv_positions: Optional[Tensor] = None  # [B, Lkv] int64 token position of each key (sliding window)
     # every request starts at position 0 and its queries are right-padded (a fresh prefill): dense layers
     # may attend causally over this forward's own K/V instead of gathering them back from the pool
@@ -31,6 +31,9 @@ class AttentionBatch:
     swa_out_slots: Optional[Tensor] = None  # [B, Q] window-pool slots of out_slots (allocator=swa)
     swa_kv_slots: Optional[Tensor] = None  # [B, Lkv] window-pool slots of kv_slots (0 = evicted/padding)
     observe: Optional[Callable] = None  # observe(layer, batch, selected [B,Q,Lkv], token_bytes, budget) (hisparse)
+    # a causal extend's (query valid [B, Q], key valid [B, Lkv]): `mask` is built from these and the positions on
+    # first use, since the causal kernels of a fresh prefill never read it (a long prompt's [B, T, T] stays unbuilt)
+    causal: Optional[tuple] = None
     _read_slots: Optional[tuple] = None  # memo of read_slots()
     _dense_mask: Optional[Tensor] = None  # memo of dense_mask()
 
@@ -41,16 +44,24 @@ class AttentionBatch:
         another request's freed K/V) must never be read. Computed once per forward, not per layer.
         """
         if self._read_slots is None:
-            seen = self.mask.any(1)  # [B, Lkv]
+            seen = self.attend_mask().any(1)  # [B, Lkv]
             zero = torch.zeros((), dtype=self.kv_slots.dtype, device=self.kv_slots.device)
             swa = None if self.swa_kv_slots is None else torch.where(seen, self.swa_kv_slots, zero)
             self._read_slots = (torch.where(seen, self.kv_slots, zero), swa)
         return self._read_slots
 
+    def attend_mask(self) -> Tensor:
+        """`mask`, built on first use when the batch was made with `causal` parts instead."""
+        if self.mask is None:
+            q_valid, k_valid = self.causal
+            self.mask = ((self.kv_positions[:, None, :] <= self.positions[:, :, None]) & k_valid[:, None, :]
+                         & q_valid[:, :, None])
+        return self.mask
+
     def dense_mask(self) -> Tensor:
         """`mask` as SDPA's [B, 1, Q, Lkv] attn_mask (see sdpa_mask), computed once per forward."""
         if self._dense_mask is None:
-            self._dense_mask = sdpa_mask(self.mask)
+            self._dense_mask = sdpa_mask(self.attend_mask())
         return self._dense_mask
 
     @property
@@ -91,6 +102,5 @@ def extend_batch(
     end = starts + lens  # [B]
     k_valid = k_idx[None, :] < end[:, None]  # [B, Lkv]
     kv_slots = torch.where(k_valid, table[:, kv_cols], torch.zeros((), dtype=table.dtype, device=dev))
-    mask = (k_idx[None, None, :] <= positions[:, :, None]) & k_valid[:, None, :] & q_valid[:, :, None]
     kv_positions = k_idx[None, :].expand(rows.shape[0], kv_len)
-    return AttentionBatch(positions, out_slots, kv_slots, mask, kv_positions)
+    return AttentionBatch(positions, out_slots, kv_slots, None, kv_positions, causal=(q_valid, k_valid))

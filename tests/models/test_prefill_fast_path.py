@@ -53,3 +53,22 @@ def test_fresh_causal_prefill_equals_the_masked_pool_path(window, kv_dtype, monk
     else:  # later layers' K/V follow hidden states that differ in the last bits (a band's own reduction order)
         torch.testing.assert_close(gk, wk, rtol=0, atol=1e-9)
         torch.testing.assert_close(gv, wv, rtol=0, atol=1e-9)
+
+
+def test_a_fresh_dense_prefill_never_builds_the_mask():
+    """A causal extend's [B, T, Lkv] mask is built only when a path reads it: a fresh prefill of dense layers
+    (the causal kernel) never does, so a long prompt costs no T^2 bytes; the pool path builds the causal mask."""
+    pair = build_random_tiny(seed=4, dtype="float64")
+    target = pair.target
+    target.setup_kv(512)
+    lens = torch.tensor([7, 1, 12])
+    table = torch.arange(1, 3 * 12 + 1).view(3, 12)
+    batch = extend_batch(table, torch.arange(3), torch.zeros_like(lens), lens, 12, 16)
+    batch.fresh_causal = True
+    with torch.no_grad():
+        target(torch.randint(0, 250, (3, 12)), batch)
+    assert batch.mask is None
+    mask = extend_batch(table, torch.arange(3), torch.zeros_like(lens), lens, 12, 16).attend_mask()
+    q, k = torch.arange(12), torch.arange(16)
+    want = (k[None, None] <= q[None, :, None]) & (k[None, None] < lens[:, None, None]) & (q[None, :, None] < lens[:, None, None])
+    assert torch.equal(mask, want)
