@@ -161,7 +161,7 @@ class Pipeline:
         also = f" plus {scratch} slots of draft scratch" if scratch else ""
         at = f" (after {len(req.output_ids)} generated tokens, which are kept)" if req.output_ids else ""
         self.fail(req, f"the KV pool ({self.prep.alloc.size} slots) cannot hold this request's {tokens} tokens"
-                       f"{also}{at}; raise allocator.num_slots to at least "
+                       f"{also}{at}; raise {getattr(self.prep.alloc, 'size_setting', 'allocator.num_slots')} to at least "
                        f"{self.pages(len(req.prompt_ids) + req.max_new_tokens + self.growth) * self.prep.ps + scratch} "
                        f"for it to finish")
 

@@ -113,3 +113,20 @@ def test_sliding_layers_read_only_the_window_pool():
             assert alloc.swa.size - alloc.swa_available() <= window + 2  # bounded: window + ps + newest
     prep.release_rows(row.tolist())
     assert alloc.swa_available() == alloc.swa.size and alloc.full_available() == alloc.full.size
+
+
+def test_a_prompt_longer_than_the_window_pool_names_swa_num_slots(tmp_path):
+    """A prefill writes every prompt token into the window pool too: when that pool is the short one, the
+    request's error names allocator.swa_num_slots, and the size it names is enough."""
+    prompts = write_prompts(tmp_path / "long.jsonl", random_prompts(3, [200]))
+
+    def one(swa_slots):
+        cfg = compose("model=random_tiny", "device.dtype=float64", f"model.sliding_window={WINDOW}",
+                      f"workload.prompts_file={prompts}", f"workload.max_new_tokens={NEW}", "draft=none",
+                      "allocator=swa", f"allocator.window={WINDOW}", "allocator.num_slots=600",
+                      f"allocator.swa_num_slots={swa_slots}")
+        return run(cfg, quiet=True)["requests"][0]
+
+    r = one(128)
+    assert r.finish_reason == "error" and "raise allocator.swa_num_slots" in r.error
+    assert one(int(r.error.split("at least ")[1].split()[0])).finish_reason in ("length", "stop")

@@ -44,7 +44,12 @@ class AttentionBatch:
         another request's freed K/V) must never be read. Computed once per forward, not per layer.
         """
         if self._read_slots is None:
-            seen = self.attend_mask().any(1)  # [B, Lkv]
+            if self.mask is None:  # a causal extend: a key is seen when a valid query is at or after it
+                q_valid, k_valid = self.causal
+                last = self.positions.masked_fill(~q_valid, -1).max(1).values  # [B]
+                seen = k_valid & (self.kv_positions <= last[:, None])
+            else:
+                seen = self.mask.any(1)  # [B, Lkv]
             zero = torch.zeros((), dtype=self.kv_slots.dtype, device=self.kv_slots.device)
             swa = None if self.swa_kv_slots is None else torch.where(seen, self.swa_kv_slots, zero)
             self._read_slots = (torch.where(seen, self.kv_slots, zero), swa)
@@ -57,6 +62,14 @@ class AttentionBatch:
             self.mask = ((self.kv_positions[:, None, :] <= self.positions[:, :, None]) & k_valid[:, None, :]
                          & q_valid[:, :, None])
         return self.mask
+
+    def mask_rows(self, a: int, b: int) -> Tensor:
+        """mask[:, a:b] (queries a..b-1), without building the rest of a causal extend's mask."""
+        if self.mask is not None:
+            return self.mask[:, a:b]
+        q_valid, k_valid = self.causal
+        return ((self.kv_positions[:, None, :] <= self.positions[:, a:b, None]) & k_valid[:, None, :]
+                & q_valid[:, a:b, None])
 
     def dense_mask(self) -> Tensor:
         """`mask` as SDPA's [B, 1, Q, Lkv] attn_mask (see sdpa_mask), computed once per forward."""

@@ -72,3 +72,28 @@ def test_a_fresh_dense_prefill_never_builds_the_mask():
     q, k = torch.arange(12), torch.arange(16)
     want = (k[None, None] <= q[None, :, None]) & (k[None, None] < lens[:, None, None]) & (q[None, :, None] < lens[:, None, None])
     assert torch.equal(mask, want)
+
+
+@pytest.mark.parametrize("model", [dict(sparse_top_k=5, sparse_local=3), dict(sliding_window=3, sparse_top_k=4)],
+                         ids=["sparse", "sparse+window"])
+def test_long_masked_forwards_go_in_query_chunks(model, monkeypatch):
+    """Sparse (and windowed) layers read the pool through per-query masks and selections: a long forward
+    builds them BAND_CHUNK queries at a time, with the same hidden states and the same K/V."""
+    pair = build_random_tiny(seed=5, dtype="float64", **model)
+    lens = [7, 1, 12, 5]
+    want, wk, wv = prefill(pair, lens, fresh=False)
+    widths = []
+    select = attention_mod.sparse_select
+
+    def spy(q, *a):
+        widths.append(q.shape[1])
+        return select(q, *a)
+
+    monkeypatch.setattr(attention_mod, "sparse_select", spy)
+    monkeypatch.setattr(attention_mod, "BAND_CHUNK", 4)
+    got, gk, gv = prefill(pair, lens, fresh=False)
+    assert widths and max(widths) == 4 and sum(widths) == 12 * len(widths) // 3  # 12 queries in chunks of 4
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(got[b, :n], want[b, :n], rtol=0, atol=1e-9)
+    torch.testing.assert_close(gk, wk, rtol=0, atol=1e-9)
+    torch.testing.assert_close(gv, wv, rtol=0, atol=1e-9)
