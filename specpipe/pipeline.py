@@ -280,6 +280,8 @@ class Pipeline:
             self.sampling.join([r.seed for r in reqs], [r.sampling for r in reqs],
                                [r.prefill_ids for r in reqs] if self.sampling.penalized else None)
             new_rows = torch.arange(old, old + len(reqs), device=self.dev)
+            if self.sampling.penalized:
+                self.sampling.limit(int(max(len(r.prefill_ids) for r in reqs)) + 1)
             raw = self.raw_logits(logits)
             first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(prefill)
             resumed = [r.resumed for r in reqs]
@@ -343,6 +345,8 @@ class PlainPipeline(Pipeline):
             L = self.prep.seq_len[self.rows]
             rows_t = torch.from_numpy(self.rows).to(self.dev)
             L_t = torch.from_numpy(L).to(self.dev)
+            if self.sampling.penalized:  # contexts hold the cached tokens and the newest one
+                self.sampling.limit(int(L.max()) + 1)
             batch = self.prep.decorate(
                 extend_batch(self.prep.table, rows_t, L_t, torch.ones_like(L_t), 1, bucket(L.max() + 1)))
         with self.metrics.stage("verify"):

@@ -51,6 +51,7 @@ class SamplingState:
             raise ValueError("a repetition penalty needs max_context")
         self.penalty = torch.zeros(0, dtype=torch.float64, device=device)  # cast to the logits' dtype, as HF does
         self.context = torch.zeros((0, max_context or 0), dtype=torch.int64, device=device)
+        self.width: Optional[int] = None  # columns of `context` in use (`limit`); None: all
         self.context_len = torch.zeros(0, dtype=torch.int64, device=device)
 
     def join(self, seeds: list[int], params: Optional[list] = None, contexts: Optional[list] = None) -> None:
@@ -88,6 +89,11 @@ class SamplingState:
             self.penalty, self.context = self.penalty[keep_t], self.context[keep_t]
             self.context_len = self.context_len[keep_t]
 
+    def limit(self, longest: int) -> None:
+        """Every context now holds at most `longest` tokens (the pipeline knows it on the host): penalizing reads
+        only those columns, so a short batch does not pay for the workload's longest request."""
+        self.width = max(1, min(int(longest), self.context.shape[1]))
+
     @staticmethod
     def _penalized_at(logits: Tensor, idx: Tensor, penalty: Tensor) -> Tensor:
         """logits [B, ..., V] with the entries idx [B, ..., K] penalized (HF's rule; repeated ids agree), in
@@ -104,8 +110,9 @@ class SamplingState:
         if not self.penalized:
             return logits
         B, N = tokens.shape
-        path = torch.where(mask, tokens[:, None, :], self.context[:, :1, None])  # [B, j, i]
-        idx = torch.cat([self.context[:, None, :].expand(B, N, -1), path], -1)  # [B, N, C + N]
+        context = self.context[:, :self.width]
+        path = torch.where(mask, tokens[:, None, :], context[:, :1, None])  # [B, j, i]
+        idx = torch.cat([context[:, None, :].expand(B, N, -1), path], -1)  # [B, N, C + N]
         return self._penalized_at(logits, idx, self.penalty)
 
     def note(self, tokens: Tensor, count: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> None:
@@ -119,17 +126,19 @@ class SamplingState:
         ctx = self.context if rows is None else self.context[rows]
         lens = self.context_len if rows is None else self.context_len[rows]
         pos = (lens[:, None] + col).clamp(max=ctx.shape[1] - 1)
-        ctx = ctx.scatter(1, pos, torch.where(col < n[:, None], tokens, ctx[:, :1]))
-        if rows is None:
-            self.context, self.context_len = ctx, lens + n
+        values = torch.where(col < n[:, None], tokens, ctx[:, :1])
+        if rows is None:  # in place: no [B, max_context] copy per step
+            self.context.scatter_(1, pos, values)
+            self.context_len = lens + n
         else:
+            ctx = ctx.scatter(1, pos, values)
             self.context[rows], self.context_len[rows] = ctx, lens + n
 
     def sample_next(self, logits: Tensor, position: Tensor, rows: Tensor | None = None) -> Tensor:
         """logits [B, V] -> the token at `position` [B] (argmax when greedy). rows: subset of the batch."""
         sel = (lambda x: x) if rows is None else (lambda x: x[rows])
         if self.penalized:
-            logits = self._penalized_at(logits, sel(self.context), sel(self.penalty))
+            logits = self._penalized_at(logits, sel(self.context[:, :self.width]), sel(self.penalty))
         if self.greedy:
             return logits.argmax(-1)
         probs = process_logits(logits[:, None], sel(self.temperature), sel(self.top_p), sel(self.top_k))[:, 0]

@@ -102,6 +102,8 @@ class SpecPipeline(Pipeline):
         rows_t = torch.from_numpy(self.rows).to(self.dev)
         L = self.prep.seq_len[self.rows].copy()
         L_t = torch.from_numpy(L).to(self.dev)
+        if self.sampling.penalized:  # contexts hold the cached tokens and the root (drafts are path tokens)
+            self.sampling.limit(int(L.max()) + 1)
         with m.stage("draft"):
             tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
         with m.stage("prepare_decode"):

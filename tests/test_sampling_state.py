@@ -1,5 +1,6 @@
 """SamplingState's repetition penalty: each tree node is penalized for its own context, as HF's
 RepetitionPenaltyLogitsProcessor would penalize that sequence."""
+import pytest
 import torch
 
 from helpers import ancestors
@@ -77,3 +78,39 @@ def test_a_temperature_just_below_the_greedy_cutoff_is_greedy_in_float32_too():
     probs = process_logits(torch.tensor([[[0.0, 1e-5, -3.0]]]), state.temperature[:1], state.top_p[:1],
                            state.top_k[:1])
     assert probs[0, 0].tolist() == [0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("drafter", [["draft.topk=2", "draft.num_steps=3"], ["draft=none"]], ids=["eagle", "none"])
+def test_the_penalized_width_covers_every_context(tmp_path, drafter, monkeypatch):
+    """The pipeline limits the penalty to the batch's longest context (`limit`), never below a context: every
+    penalized row's whole context is read, prompts of very different lengths and retractions included."""
+    import json
+
+    from helpers import compose, random_prompts
+    from specpipe.app import run
+
+    seen = []
+    tree, nxt = SamplingState.penalize_tree, SamplingState.sample_next
+
+    def check(state, rows=None):
+        lens = state.context_len if rows is None else state.context_len[rows]
+        seen.append((state.width, int(lens.max())))
+
+    def spy_tree(self, *a, **k):
+        check(self)
+        return tree(self, *a, **k)
+
+    def spy_next(self, logits, position, rows=None):
+        check(self, rows)
+        return nxt(self, logits, position, rows)
+
+    monkeypatch.setattr(SamplingState, "penalize_tree", spy_tree)
+    monkeypatch.setattr(SamplingState, "sample_next", spy_next)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in random_prompts(5, [3, 90, 7, 40, 12, 60])))
+    out = run(compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
+                      "workload.max_new_tokens=24", "workload.batch_size=4", "sampling.repetition_penalty=1.3",
+                      "allocator.num_slots=170", *drafter), quiet=True)
+    assert out["metrics"]["num_errors"] == 0 and out["metrics"]["retractions"] > 0
+    assert seen and all(w is not None and w >= n for w, n in seen)
+    assert min(w for w, _ in seen) < max(w for w, _ in seen)  # the width follows the batch
