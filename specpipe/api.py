@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
-from specpipe.tokenizer import decode_after, output_text, prompt_context
+from specpipe.tokenizer import complete_end, decode_after, output_text, prompt_context
 
 
 @dataclass
@@ -62,7 +62,7 @@ class _Deltas:
             st = self.state.get(r.index)
             if st is None:
                 context = prompt_context(self.decode, getattr(r, "prompt_ids", None) or [])
-                st = self.state[r.index] = [0, 0, len(context), 0, context]
+                st = self.state[r.index] = [0, 0, complete_end(self.decode, context), 0, context]
             ids, n = r.output_ids, st[0]
             if len(ids) == n and not r.finished:
                 continue

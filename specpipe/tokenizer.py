@@ -89,14 +89,26 @@ def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[
     return prompt_ids[clean_start(decode, prompt_ids, max(len(prompt_ids) - CONTEXT_TOKENS, 0)):]
 
 
+def complete_end(decode: Callable[[Sequence[int]], str], context: Sequence[int], back: int = 4) -> int:
+    """len(context), or up to `back` tokens less, so that context[:end] does not end inside a character: a
+    prompt given as ids may stop in the middle of one, which the output then completes."""
+    for end in range(len(context), max(len(context) - back, 0) - 1, -1):
+        if not decode(context[:end]).endswith("\ufffd"):
+            return end
+    return len(context)
+
+
 def decode_after(decode: Callable[[Sequence[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
     """The text of `ids` as it reads after `context` (prompt + text is then the whole text, as in vLLM): decoded
-    alone, a SentencePiece continuation loses the space of its first word ("The cat" + "sat")."""
+    alone, a SentencePiece continuation loses the space of its first word ("The cat" + "sat"). A character the
+    context leaves unfinished and `ids` completes belongs to the output's text."""
     if not context:
         return decode(ids)
-    before = decode(context)
+    context = list(context)
+    before = decode(context[:complete_end(decode, context)])
     whole = decode([*context, *ids])
-    return whole[len(before):] if whole.startswith(before) else decode(ids)
+    n = next((i for i, (a, b) in enumerate(zip(before, whole)) if a != b), min(len(before), len(whole)))
+    return whole[n:]  # n == len(before) unless later bytes made the context's own text invalid (byte fallback)
 
 
 def output_text(tokenizer, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:

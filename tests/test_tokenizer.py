@@ -129,3 +129,30 @@ def test_stream_deltas_add_up_to_the_text_read_after_the_prompt(sp):
     assert events[0].text == " sat"
     assert "".join(e.text for e in events) == output_text(sp, prompt, out) == " sat on the mat. 龍虎 I'm here."
     assert all("\ufffd" not in e.text for e in events)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 4])
+def test_a_prompt_that_ends_inside_a_character(cut):
+    """Prompt ids may stop inside a UTF-8 character that the output completes: the character is the output's,
+    in its text and in its stream (which once dropped it, then re-sent text at the end)."""
+    from specpipe.api import _Deltas
+
+    tok = ByteTokenizer()
+    whole = tok.encode("东京 cat😀 sat")
+    prompt, out = whole[:cut], whole[cut:]
+    text = output_text(tok, prompt, out)
+    assert text == ("东京 cat😀 sat" if cut < 3 else "京 cat😀 sat")
+
+    class Req:
+        index, error, logprobs = 0, None, None
+
+        def __init__(self, output_ids, last):
+            self.prompt_ids, self.output_ids = prompt, output_ids
+            self.finish_reason = "length" if last else None
+            self.finished = last
+
+    events = []
+    deltas = _Deltas(tok.decode, events.append)
+    for n in range(1, len(out) + 1):
+        deltas([Req(out[:n], n == len(out))])
+    assert "".join(e.text for e in events) == text and all("\ufffd" not in e.text for e in events)
