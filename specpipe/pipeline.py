@@ -110,7 +110,7 @@ class Pipeline:
         seq, owned = self.prep.seq_len[rows], self.prep.alloc_len[rows]
         grow = int((self.pages(np.maximum(owned, seq + self.growth)) - self.pages(owned)).sum())
         scratch = int(self.pages(self.scratch_tokens(len(rows))))
-        return max(grow, scratch) * self.prep.ps <= self.prep.alloc.available()
+        return max(grow, scratch) * self.prep.ps <= self.prep.available()
 
     def make_room(self) -> list[Request]:
         """Retract the most recently admitted requests until one step of the rest fits."""
@@ -146,7 +146,7 @@ class Pipeline:
         count = len(self.reqs) + np.arange(1, len(reqs) + 1)
         scratch = self.pages(np.asarray(self.scratch_tokens(count), dtype=np.int64) + 0 * count)
         need = (np.cumsum(prefill) + np.maximum(grow, scratch)) * self.prep.ps
-        return int(np.searchsorted(need, self.prep.alloc.available(), side="right"))
+        return int(np.searchsorted(need, self.prep.available(), side="right"))
 
     def admit_fits(self, reqs: list[Request]) -> bool:
         return self.fitting_prefix(reqs) == len(reqs)

@@ -231,7 +231,10 @@ def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp
     assert 'use "stop" strings' in items[7]["error"]
 
 
-def test_admission_leaves_room_for_the_next_step(tmp_path, pair, monkeypatch):
+@pytest.mark.parametrize("pool", [["allocator=paged", "allocator.page_size=16", "allocator.num_slots=1024"],
+                                  ["allocator=hisparse", "allocator.num_slots=160", "model.sparse_top_k=8",
+                                   "model.sparse_local=4"]], ids=["paged", "hisparse"])
+def test_admission_leaves_room_for_the_next_step(tmp_path, pair, monkeypatch, pool):
     """A request is admitted only when its prefill and the next step (every request's growth, or the drafts'
     scratch) both fit; admitting on the prefill alone evicted it again in the very next step (the paged
     allocator's scratch is whole pages per request): prefill, retract, prefill again, over and over."""
@@ -255,8 +258,9 @@ def test_admission_leaves_room_for_the_next_step(tmp_path, pair, monkeypatch):
     monkeypatch.setattr(Pipeline, "make_room", spy_make_room)
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(48, seed=3)))
-    out = run_on(path, pair, "workload.max_new_tokens=24", "workload.batch_size=16", "draft.topk=4",
-                 "draft.num_steps=3", "allocator=paged", "allocator.page_size=16", "allocator.num_slots=1024")
+    sparse = "allocator=hisparse" in pool  # (a hisparse run decodes after its first forward through host ids)
+    out = run_on(path, None if sparse else pair, "workload.max_new_tokens=24", "workload.batch_size=16",
+                 "draft.topk=4", "draft.num_steps=3", *pool)
     assert out["metrics"]["retractions"] > 0 and out["metrics"]["num_errors"] == 0  # the pool is tight
     assert bounced == []
 

@@ -102,6 +102,14 @@ class PrepareDecode(Stage):
             self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
         return True
 
+    def available(self) -> int:
+        """Slots the next allocations can take: once hot buffers exist (hisparse), `reserve` takes logical ids
+        only (a row's device slots are its hot buffer, virtual when the device pool is short), so the device
+        pool's free slots do not bound it."""
+        if self.hot is not None and self.hot.ready:
+            return self.alloc.logical.available()
+        return self.alloc.available()
+
     def _last_loc(self, rows_t: Tensor, lens: Tensor) -> Tensor:
         """[B] slot of each row's position lens_b - 1, or -1 for an empty row (alloc_extend's last_loc)."""
         return torch.where(lens > 0, self.table[rows_t, (lens - 1).clamp(min=0)], torch.full_like(lens, -1))
@@ -134,7 +142,8 @@ class PrepareDecode(Stage):
         first = int(root)
         if ps == 1:
             n = B * width * topk
-            slots = self.alloc.alloc(n) if n else torch.empty(0, dtype=torch.int64, device=dev)
+            take = self.alloc.logical.alloc if self.hot is not None and self.hot.ready else self.alloc.alloc
+            slots = take(n) if n else torch.empty(0, dtype=torch.int64, device=dev)  # (hisparse: logical ids)
             if slots is None:
                 return None
             Lp = bucket(int(L.max()) + first)
