@@ -3,11 +3,15 @@
 Times `SamplingState.penalize_tree` (the context kept as padded ids, penalized by gather/scatter in place,
 B x N x (C + N) entries) on random verify logits [B, N, V], next to `logits.argmax(-1)` (what greedy
 verification does with them anyway) and to the straightforward alternative a first version used: a [B, V]
-seen-mask plus a [B, N, V] path mask and two passes over [B, N, V]. Prints ms per call and ratios within
-the same run; a sanity check asserts both give the same logits.
+seen-mask plus a [B, N, V] path mask and two passes over [B, N, V]. With --workload-context longer than
+--context (one long request elsewhere in the workload sizes the context buffer), also times the step without
+`SamplingState.limit`, reading every buffer column, against the step limited to the batch's longest context
+(what the pipeline does). Prints ms per call and ratios within the same run; sanity checks assert all versions
+give the same logits.
 
     python scripts/bench_repetition_penalty.py
     python scripts/bench_repetition_penalty.py --vocab 152064 --batch 8 --nodes 12 --context 2048
+    python scripts/bench_repetition_penalty.py --context 2048 --workload-context 32768
 """
 from __future__ import annotations
 
@@ -46,15 +50,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--nodes", type=int, default=12, help="verify tree nodes per request")
     ap.add_argument("--context", type=int, default=2048, help="prompt + output tokens per request")
+    ap.add_argument("--workload-context", type=int, default=0,
+                    help="the workload's longest request (sizes the context buffer); default: --context")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     B, N, V, C = a.batch, a.nodes, a.vocab, a.context
-    state = SamplingState(0.0, 1.0, 0, "cpu", repetition_penalty=1.1, max_context=C + 64)
+    W = max(a.workload_context, C + 64)
+    state = SamplingState(0.0, 1.0, 0, "cpu", repetition_penalty=1.1, max_context=W)
     contexts = [torch.randint(0, V, (C,), generator=g).tolist() for _ in range(B)]
     state.join(list(range(B)), None, contexts)
+    state.limit(C + 1)  # as the pipeline does each step: the batch's longest context, plus one
     seen = torch.zeros(B, V, dtype=torch.bool)
     for b, ids in enumerate(contexts):
         seen[b, ids] = True
@@ -74,6 +82,11 @@ def main() -> None:
     print(f"vocabulary mask, two passes over [B,N,V]: {masked:8.2f} ms  {masked / argmax:5.2f}x argmax, "
           f"{masked / gather:.1f}x penalize_tree")
     print(f"argmax over the same logits (reference):  {argmax:8.2f} ms")
+    if W > C + 64:
+        state.width = None  # every column of the workload-sized buffer (padding repeats a context id)
+        assert torch.equal(state.penalize_tree(logits.clone(), tokens, mask), want), "unlimited disagrees"
+        full = time_call(lambda: state.penalize_tree(work, tokens, mask), a.repeats)
+        print(f"penalize_tree over all {W} buffer columns: {full:8.2f} ms  {full / gather:5.1f}x limited to the batch")
 
 
 if __name__ == "__main__":

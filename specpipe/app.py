@@ -393,8 +393,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
 
 
 def completion_record(r: Request, tokenizer) -> dict:
-    rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids, "text": output_text(tokenizer, r.prompt_ids, r.output_ids),
-           "finish_reason": r.finish_reason}
+    rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids,
+           "text": output_text(tokenizer, r.prompt_ids, r.output_ids), "finish_reason": r.finish_reason}
     if r.logprobs is not None:
         rec["logprobs"] = r.logprobs
     if r.error:

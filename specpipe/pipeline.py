@@ -23,6 +23,47 @@ class OutOfKVMemory(RuntimeError):
     pass
 
 
+def dense_attention(module) -> bool:
+    """Every attention layer in `module` attends fully (no sliding window, no sparse top-k), so a packed
+    prefill batch (requests as segments of one row) suits it."""
+    from specpipe.models.attention import Attention
+
+    return all(a.window is None and a.top_k is None for a in module.modules() if isinstance(a, Attention))
+
+
+@dataclass
+class Prefill:
+    """One admission's target prefill, as the drafters' join reads it: the padded [B, T] view, and the packed
+    one (every prompt as a segment of one row, no padding) when the target's forward ran packed, so a draft
+    model with dense attention runs over the prompts without the padding too."""
+    rows: np.ndarray
+    lens: np.ndarray  # [B] prompt lengths
+    ids: Tensor  # [B, T] prompt ids, zeros after each prompt
+    batch: AttentionBatch  # the padded extend batch
+    last: Tensor  # [B] row position of each prompt's newest token
+    packed: Optional[AttentionBatch] = None  # the packed batch; None when the forward ran padded
+    flat: Optional[Tensor] = None  # [sum(lens)] index of each real token in the flattened [B * T]
+    packed_hidden: Optional[Tensor] = None  # [1, sum(lens), H]
+    _hidden: Optional[Tensor] = None
+
+    @property
+    def hidden(self) -> Tensor:
+        """[B, T, H] target hidden states (zeros at the padding); unpacked on first use."""
+        if self._hidden is None:
+            B, T = self.ids.shape
+            self._hidden = Pipeline.unpack(self.packed_hidden, self.flat, B, T)
+        return self._hidden
+
+    def packed_for(self, module) -> bool:
+        """Whether a draft forward of `module` over the prompts can take the packed form."""
+        return self.packed is not None and dense_attention(module)
+
+    @property
+    def ends(self) -> Tensor:
+        """[B] position of each prompt's newest token in the packed row."""
+        return torch.from_numpy(np.cumsum(self.lens) - 1).to(self.last.device)
+
+
 def bucket(n: int, q: int = 16) -> int:
     """Round up to a multiple of q so padded widths (and compiled shapes) change rarely."""
     return max(q, -(-int(n) // q) * q)
@@ -97,9 +138,10 @@ class Pipeline:
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
 
-    def scratch_tokens(self, batch_size: int) -> int:
-        """Throw-away KV slots one step borrows (draft KV); handed back before verify."""
-        return 0
+    def scratch_tokens(self, batch_size):
+        """Throw-away KV slots one step borrows (draft KV); handed back before verify. Takes an int or an
+        array of batch sizes (admission asks for every prefix at once)."""
+        return 0 * batch_size
 
     def pages(self, tokens) -> np.ndarray:
         ps = self.prep.ps
@@ -107,10 +149,14 @@ class Pipeline:
 
     def step_fits(self, rows: np.ndarray) -> bool:
         """Whether one more step of these rows fits in the free KV (host ints only, no sync)."""
-        seq, owned = self.prep.seq_len[rows], self.prep.alloc_len[rows]
-        grow = int((self.pages(np.maximum(owned, seq + self.growth)) - self.pages(owned)).sum())
+        grow = self.growth_pages(rows)
         scratch = int(self.pages(self.scratch_tokens(len(rows))))
         return max(grow, scratch) * self.prep.ps <= self.prep.available()
+
+    def growth_pages(self, rows: np.ndarray) -> int:
+        """New pages these running rows need for one more step (pages they already own count)."""
+        seq, owned = self.prep.seq_len[rows], self.prep.alloc_len[rows]
+        return int((self.pages(np.maximum(owned, seq + self.growth)) - self.pages(owned)).sum())
 
     def make_room(self) -> list[Request]:
         """Retract the most recently admitted requests until one step of the rest fits."""
@@ -140,11 +186,8 @@ class Pipeline:
             return 0
         lens = np.asarray([len(r.prompt_ids) + len(r.output_ids) - r.resumed for r in reqs], dtype=np.int64)
         prefill = self.pages(lens)
-        seq, owned = self.prep.seq_len[self.rows], self.prep.alloc_len[self.rows]
-        grow_running = int((self.pages(np.maximum(owned, seq + self.growth)) - self.pages(owned)).sum())
-        grow = grow_running + np.cumsum(self.pages(lens + self.growth) - prefill)
-        count = len(self.reqs) + np.arange(1, len(reqs) + 1)
-        scratch = self.pages(np.asarray(self.scratch_tokens(count), dtype=np.int64) + 0 * count)
+        grow = self.growth_pages(self.rows) + np.cumsum(self.pages(lens + self.growth) - prefill)
+        scratch = self.pages(self.scratch_tokens(len(self.reqs) + np.arange(1, len(reqs) + 1)))
         need = (np.cumsum(prefill) + np.maximum(grow, scratch)) * self.prep.ps
         return int(np.searchsorted(need, self.prep.available(), side="right"))
 
@@ -208,7 +251,7 @@ class Pipeline:
 
     # ---- admission ---------------------------------------------------------------------
     def prefill_target(self, reqs: list[Request]):
-        """Target prefill of new requests. Returns (rows, ids, hidden, batch, last, logits) or None on OOM."""
+        """Target prefill of new requests. Returns (Prefill, logits [B, V]) or None on OOM."""
         rows = [self.prep.acquire_row() for _ in reqs]
         if any(r is None for r in rows):
             self.prep.release_rows([r for r in rows if r is not None])
@@ -235,12 +278,16 @@ class Pipeline:
             final, hidden = self.target(fwd_ids, fwd_batch, aux_layers=self.feature_layers)
         else:
             final = hidden = self.target(fwd_ids, fwd_batch)  # [B, T, H]
-        if packed is not None:  # back to [B, T, ...] (zeros at padding) for the drafters' join
-            final, hidden = (self.unpack(x, packed[0], len(reqs), T) for x in (final, hidden))
-        logits = self.target.logits(final[torch.arange(len(reqs), device=self.dev), last])  # [B, V]
+        if packed is None:
+            pf = Prefill(rows_np, lens, ids, batch, last, _hidden=hidden)
+            newest = final[torch.arange(len(reqs), device=self.dev), last]
+        else:
+            pf = Prefill(rows_np, lens, ids, batch, last, packed=packed[1], flat=packed[0], packed_hidden=hidden)
+            newest = final[0, pf.ends]
+        logits = self.target.logits(newest)  # [B, V]
         self.prep.commit(rows_np, lens)
         self.prep.after_commit(rows_np)
-        return rows_np, ids, hidden, batch, last, logits
+        return pf, logits
 
     def pack_prefill(self, batch, lens: np.ndarray, T: int):
         """Requests of different lengths as one row without padding: (flat index of each real token in the
@@ -275,7 +322,8 @@ class Pipeline:
             out = self.prefill_target(reqs)
             if out is None:
                 return False
-            rows_np, ids, hidden, batch, last, logits = out
+            pf, logits = out
+            last = pf.last
             old = len(self.reqs)
             self.sampling.join([r.seed for r in reqs], [r.sampling for r in reqs],
                                [r.prefill_ids for r in reqs] if self.sampling.penalized else None)
@@ -304,13 +352,13 @@ class Pipeline:
                 self.append_tokens(r, [t], None if lps is None else lps[i])
                 if r.retractions == 0:
                     self.metrics.first_token_s.append(now - r.t_submit)
-            self.join(reqs, rows_np, ids, hidden, batch, last, first)
+            self.join(reqs, pf, first)
         self.drop_finished()
         return True
 
-    def join(self, reqs, rows_np, ids, hidden, batch, last, first) -> None:
+    def join(self, reqs, pf: Prefill, first) -> None:
         self.reqs.extend(reqs)
-        self.rows = np.concatenate([self.rows, rows_np])
+        self.rows = np.concatenate([self.rows, pf.rows])
         self.last_token = torch.cat([self.last_token, first])
 
     def keep(self, keep_t: Tensor) -> None:

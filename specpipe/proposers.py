@@ -1,7 +1,7 @@
 """Proposers: what a `draft=` option plugs into the speculative loop.
 
 Each proposer keeps its own per-request state and implements
-  join(pipe, reqs, rows_np, ids, hidden, batch, last, first)   after the target prefill
+  join(pipe, reqs, pf, first)                                   after the target prefill (pipeline.Prefill)
   keep(keep_t)                                                  when finished requests leave
   propose(pipe, rows_t, L, L_t) -> (Tree, draft_probs | None)   one draft round
   after_verify(pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
@@ -42,10 +42,15 @@ class EagleProposer:
         self.feature_layers = getattr(head, "aux_layers", None)  # EAGLE-3 reads several target layers
         self.topk_p = self.topk_index = self.draft_hidden = None
 
-    def join(self, pipe, reqs, rows_np, ids, hidden, batch, last, first) -> None:
-        """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p)."""
-        ids_d = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1).scatter(1, last[:, None], first[:, None])
-        p, idx, h = self.draft_fwd.extend(ids_d, hidden, batch, last)
+    def join(self, pipe, reqs, pf, first) -> None:
+        """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p); packed (no padding)
+        when the target's prefill ran packed."""
+        ids = pf.ids
+        ids_d = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1).scatter(1, pf.last[:, None], first[:, None])
+        if pf.packed_for(self.head):
+            p, idx, h = self.draft_fwd.extend(ids_d.reshape(1, -1)[:, pf.flat], pf.packed_hidden, pf.packed, pf.ends)
+        else:
+            p, idx, h = self.draft_fwd.extend(ids_d, pf.hidden, pf.batch, pf.last)
         if self.topk_p is None or self.topk_p.shape[0] == 0:
             self.topk_p, self.topk_index, self.draft_hidden = p, idx, h
         else:
@@ -119,11 +124,11 @@ class NgramProposer:
                                   device=device)  # [R, C] token history per table row
         self.stages = []
 
-    def join(self, pipe, reqs, rows_np, ids, hidden, batch, last, first) -> None:
-        rows_t = torch.from_numpy(rows_np).to(pipe.dev)
-        T = ids.shape[1]
-        self.tokens[rows_t, :T] = ids
-        self.tokens[rows_t, last + 1] = first
+    def join(self, pipe, reqs, pf, first) -> None:
+        rows_t = torch.from_numpy(pf.rows).to(pipe.dev)
+        T = pf.ids.shape[1]
+        self.tokens[rows_t, :T] = pf.ids
+        self.tokens[rows_t, pf.last + 1] = first
 
     def keep(self, keep_t) -> None:
         pass
@@ -186,8 +191,11 @@ class StandaloneProposer:
         self.tree_stage = BuildTree(drafter.K, drafter.S, drafter.N)
         self.stages = [drafter, drafter.topk_stage, self.tree_stage]
 
-    def join(self, pipe, reqs, rows_np, ids, hidden, batch, last, first) -> None:
-        self.sd.prefill(ids, batch)
+    def join(self, pipe, reqs, pf, first) -> None:
+        if pf.packed_for(self.sd.model):
+            self.sd.prefill(pf.ids.reshape(1, -1)[:, pf.flat], pf.packed)
+        else:
+            self.sd.prefill(pf.ids, pf.batch)
 
     def keep(self, keep_t) -> None:
         pass

@@ -32,9 +32,9 @@ class SpecPipeline(Pipeline):
         for st in self.stages:
             st.bind(wrap)
 
-    def join(self, reqs, rows_np, ids, hidden, batch, last, first) -> None:
-        self.proposer.join(self, reqs, rows_np, ids, hidden, batch, last, first)
-        super().join(reqs, rows_np, ids, hidden, batch, last, first)
+    def join(self, reqs, pf, first) -> None:
+        self.proposer.join(self, reqs, pf, first)
+        super().join(reqs, pf, first)
 
     def keep(self, keep_t) -> None:
         super().keep(keep_t)
@@ -46,7 +46,7 @@ class SpecPipeline(Pipeline):
             self.proposer.finish(done)
         return done
 
-    def scratch_tokens(self, batch_size: int) -> int:
+    def scratch_tokens(self, batch_size):
         per_request = scratch_tokens_per_request(self.prep.ps, self.proposer.K, self.proposer.scratch_width)
         return batch_size * per_request
 

@@ -75,10 +75,12 @@ def clean_start(decode: Callable[[Sequence[int]], str], ids: Sequence[int], star
     """`start`, or up to `back` tokens earlier, so that decoding ids[start:] does not begin inside a character:
     a byte-fallback decoder (Llama-2, Mistral) turns a whole run of byte tokens that starts with a UTF-8
     continuation byte into U+FFFD, valid bytes after it included."""
-    for s in range(start, max(start - back, 0) - 1, -1):
-        if not decode(ids[s:]).startswith("\ufffd"):
-            return s
-    return start
+    return _nearest_clean(start, back, lambda s: not decode(ids[s:]).startswith("\ufffd"))
+
+
+def _nearest_clean(at: int, back: int, clean: Callable[[int], bool]) -> int:
+    """The first of at, at - 1, ..., at - back (not below 0) that is `clean`; `at` when none is."""
+    return next((i for i in range(at, max(at - back, 0) - 1, -1) if clean(i)), at)
 
 
 def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> list[int]:
@@ -92,10 +94,7 @@ def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[
 def complete_end(decode: Callable[[Sequence[int]], str], context: Sequence[int], back: int = 4) -> int:
     """len(context), or up to `back` tokens less, so that context[:end] does not end inside a character: a
     prompt given as ids may stop in the middle of one, which the output then completes."""
-    for end in range(len(context), max(len(context) - back, 0) - 1, -1):
-        if not decode(context[:end]).endswith("\ufffd"):
-            return end
-    return len(context)
+    return _nearest_clean(len(context), back, lambda end: not decode(context[:end]).endswith("\ufffd"))
 
 
 def decode_after(decode: Callable[[Sequence[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:

@@ -45,3 +45,30 @@ def test_window_and_sparse_models_keep_the_padded_prefill(prompts_file, monkeypa
                                                                                       "allocator=hisparse"])):
         _, _, calls = decode(path, pair, monkeypatch, True, "draft=none", *extra)
         assert calls and not any(calls)
+
+
+@pytest.mark.parametrize("draft", [["draft.topk=2", "draft.num_steps=3"],
+                                   ["draft=standalone", "draft.topk=1", "draft.num_steps=3"]])
+def test_draft_models_prefill_over_the_packed_prompts(draft, prompts_file, monkeypatch):
+    """The draft model's forward over new prompts takes the packed row too (one [1, sum(lens)] input), not
+    the padded [B, T] batch: ragged prompts otherwise cost the draft T * B tokens and T^2 attention."""
+    from torch import nn
+
+    path = prompts_file(random_prompts(7, LENGTHS))
+    pair = build_random_tiny(seed=2, dtype="float64")
+    draft_model = pair.draft if "draft=standalone" not in draft else None
+    seen = []
+    real_call = nn.Module.__call__
+
+    def spy(self, *args, **kwargs):
+        if self is draft_model or (draft_model is None and self is not pair.target
+                                   and type(self).__name__ == "LlamaForCausalLM"):
+            seen.append(tuple(args[0].shape))
+        return real_call(self, *args, **kwargs)
+    monkeypatch.setattr(nn.Module, "__call__", spy)
+    for packed in (False, True):
+        seen.clear()
+        decode(path, pair, monkeypatch, packed, *draft)
+        prefill = [s for s in seen if s[1] > 4]  # rounds see at most num_steps + 1 columns
+        assert prefill, seen
+        assert all(s[0] == 1 for s in prefill) == packed, (packed, prefill)  # padded: some [B > 1, T]

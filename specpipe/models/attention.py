@@ -243,41 +243,33 @@ class Attention(nn.Module):
         vals = vs.index_select(0, flat_kv).view(*kv_slots.shape, self.n_kv, self.hd).to(q.dtype)
         windowed = self.window is not None and batch.kv_positions is not None
         sparse = self.top_k is not None and batch.kv_positions is not None
-        if (windowed or sparse) and q.shape[1] > BAND_CHUNK:
-            return self._chunked_pool_attention(q, keys, vals, batch, kv, windowed, sparse)
         if windowed or sparse:
-            mask = batch.attend_mask()
-            if windowed:
-                dist = batch.positions[:, :, None] - batch.kv_positions[:, None, :]  # [B, Q, Lkv]
-                mask = mask & (dist < self.window)
-            if sparse:
-                mask = sparse_select(q, keys, mask, batch.positions, batch.kv_positions, self.top_k, self.local)
-                if kv.track_selection and batch.observe is not None:
-                    batch.observe(layer, batch, mask, kv.token_bytes, self.top_k + self.local)
-            mask = sdpa_mask(mask)
-        else:
-            mask = batch.dense_mask()  # the same for every dense layer: built once per forward
+            return self._masked_pool_attention(q, keys, vals, batch, kv, windowed, sparse)
         return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                              attn_mask=mask, enable_gqa=True)
+                                              attn_mask=batch.dense_mask(), enable_gqa=True)
 
-    def _chunked_pool_attention(self, q: Tensor, keys: Tensor, vals: Tensor, batch: AttentionBatch, kv: KVPool,
-                                windowed: bool, sparse: bool) -> Tensor:
-        """`_pool_attention`'s windowed / sparse masks for a long forward (a prefill), BAND_CHUNK queries at a
-        time: each query's mask and sparse selection depend on that query alone, so this is the same result
-        while the [B, Q, Lkv] masks and scores exist one chunk at a time. Returns [B, H, Q, D]."""
+    def _masked_pool_attention(self, q: Tensor, keys: Tensor, vals: Tensor, batch: AttentionBatch, kv: KVPool,
+                               windowed: bool, sparse: bool) -> Tensor:
+        """Attention under this layer's own mask (the batch's, narrowed to the window and / or the sparse
+        selection), BAND_CHUNK queries at a time: each query's mask and selection depend on that query alone,
+        so a long forward (a prefill) never holds [B, Q, Lkv] masks and scores at once. Returns [B, H, Q, D]."""
         Q = q.shape[1]
         outs, picked = [], None
+        track = sparse and kv.track_selection and batch.observe is not None
         kt, vt = keys.transpose(1, 2), vals.transpose(1, 2)
         for a in range(0, Q, BAND_CHUNK):
             b = min(a + BAND_CHUNK, Q)
-            mask, pos = batch.mask_rows(a, b), batch.positions[:, a:b]
+            # one chunk: the batch's whole mask, built once per forward and shared by every layer
+            mask = batch.attend_mask() if b - a == Q else batch.mask_rows(a, b)
+            pos = batch.positions[:, a:b]
             if windowed:
                 mask = mask & ((pos[:, :, None] - batch.kv_positions[:, None, :]) < self.window)
             if sparse:
                 mask = sparse_select(q[:, a:b], keys, mask, pos, batch.kv_positions, self.top_k, self.local)
-                picked = mask.any(1) if picked is None else picked | mask.any(1)
+                if track:
+                    picked = mask.any(1) if picked is None else picked | mask.any(1)
             outs.append(F.scaled_dot_product_attention(q[:, a:b].transpose(1, 2), kt, vt, attn_mask=sdpa_mask(mask),
                                                        enable_gqa=True))
-        if picked is not None and kv.track_selection and batch.observe is not None:
+        if track:
             batch.observe(self.layer_idx, batch, picked[:, None, :], kv.token_bytes, self.top_k + self.local)
-        return torch.cat(outs, 2)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)

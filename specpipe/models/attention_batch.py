@@ -58,9 +58,7 @@ class AttentionBatch:
     def attend_mask(self) -> Tensor:
         """`mask`, built on first use when the batch was made with `causal` parts instead."""
         if self.mask is None:
-            q_valid, k_valid = self.causal
-            self.mask = ((self.kv_positions[:, None, :] <= self.positions[:, :, None]) & k_valid[:, None, :]
-                         & q_valid[:, :, None])
+            self.mask = self.mask_rows(0, self.positions.shape[1])
         return self.mask
 
     def mask_rows(self, a: int, b: int) -> Tensor:

@@ -32,8 +32,10 @@ class DraftForward(Stage):
 
     @branch
     def extend(self, ids: Tensor, hidden: Tensor, batch: AttentionBatch, last: Tensor):
-        """ids [B, Q], hidden [B, Q, H], last [B] row of the newest token -> topk_p [B,K], ids [B,K], hidden [B,H]."""
-        out = self.head(ids, hidden, batch)  # [B, Q, H]
+        """ids [B, Q], hidden [B, Q, H], last [B] row of the newest token -> topk_p [B,K], ids [B,K], hidden [B,H].
+        A packed prefill (every prompt a segment of one row: ids [1, Q]) gives each prompt's newest position in it."""
+        out = self.head(ids, hidden, batch)  # [B, Q, H] (or [1, Q, H] packed)
+        out = out.expand(last.shape[0], -1, -1)
         h_last = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
         p, idx = top_k(self.head.logits(h_last), self.topk)
         return p, idx, h_last

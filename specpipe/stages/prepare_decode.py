@@ -102,11 +102,16 @@ class PrepareDecode(Stage):
             self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
         return True
 
+    @property
+    def logical_only(self) -> bool:
+        """Hot buffers exist (hisparse): rows read through them, so allocations take logical ids only."""
+        return self.hot is not None and self.hot.ready
+
     def available(self) -> int:
         """Slots the next allocations can take: once hot buffers exist (hisparse), `reserve` takes logical ids
         only (a row's device slots are its hot buffer, virtual when the device pool is short), so the device
         pool's free slots do not bound it."""
-        if self.hot is not None and self.hot.ready:
+        if self.logical_only:
             return self.alloc.logical.available()
         return self.alloc.available()
 
@@ -116,7 +121,7 @@ class PrepareDecode(Stage):
 
     def _extend(self, rows: np.ndarray):
         """The allocator's extend for these rows: once hot buffers exist (hisparse), logical ids only."""
-        if self.hot is not None and self.hot.ready:  # rows read through hot buffers: host (logical) ids only
+        if self.logical_only:
             self.hot.ensure(rows)
             return self.alloc.alloc_logical_only
         return self.alloc.alloc_extend
@@ -142,7 +147,7 @@ class PrepareDecode(Stage):
         first = int(root)
         if ps == 1:
             n = B * width * topk
-            take = self.alloc.logical.alloc if self.hot is not None and self.hot.ready else self.alloc.alloc
+            take = self.alloc.logical.alloc if self.logical_only else self.alloc.alloc
             slots = take(n) if n else torch.empty(0, dtype=torch.int64, device=dev)  # (hisparse: logical ids)
             if slots is None:
                 return None
