@@ -63,7 +63,7 @@ class SpecPipeline(Pipeline):
         tree_vis = tree.mask.gather(2, jc[:, None, :].expand(B, N, Lv)) & in_tree[:, None, :]
         mask = (c[None, :] < L_t[:, None])[:, None, :] | tree_vis  # [B, N, Lv]
         kv_pos = torch.where(in_tree, L_t[:, None] + tree.depth.gather(1, jc), c[None, :].expand(B, Lv))
-        return self.prep.decorate(AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos))
+        return self.prep.decorate(AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos, table_columns=True))
 
     def accept(self, logits, tree, draft_probs, L_t):
         """Greedy acceptance, or lossless sampling (rejection sampling for sampled chains, else target-only);

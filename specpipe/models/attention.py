@@ -236,6 +236,8 @@ class Attention(nn.Module):
                 is_causal=True, enable_gqa=True) for a, n in batch.segments], 2)
         if batch.segments is not None:
             raise RuntimeError("a packed batch (segments) is only valid for a fresh prefill of dense layers")
+        if self.window is not None and self.top_k is None:
+            batch = batch.window_view(self.window)  # only the columns this window can reach
         read, swa_read = batch.read_slots()
         kv_slots = swa_read if kv.windowed[layer] else read
         flat_kv = kv_slots.reshape(-1)  # index_select is ~2x faster than advanced indexing here

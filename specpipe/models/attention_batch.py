@@ -34,7 +34,11 @@ class AttentionBatch:
     # a causal extend's (query valid [B, Q], key valid [B, Lkv]): `mask` is built from these and the positions on
     # first use, since the causal kernels of a fresh prefill never read it (a long prompt's [B, T, T] stays unbuilt)
     causal: Optional[tuple] = None
+    # key column c is table position c of every row (extend and verify batches; a tree's nodes sit at the row's
+    # positions L_b + j): a sliding-window layer then needs only each row's last columns (`window_view`)
+    table_columns: bool = False
     _read_slots: Optional[tuple] = None  # memo of read_slots()
+    _window_views: Optional[dict] = None  # memo of window_view(), by window
     _dense_mask: Optional[Tensor] = None  # memo of dense_mask()
 
     def read_slots(self) -> tuple[Tensor, Optional[Tensor]]:
@@ -54,6 +58,36 @@ class AttentionBatch:
             swa = None if self.swa_kv_slots is None else torch.where(seen, self.swa_kv_slots, zero)
             self._read_slots = (torch.where(seen, self.kv_slots, zero), swa)
         return self._read_slots
+
+    def window_view(self, window: int) -> "AttentionBatch":
+        """This batch narrowed to the key columns a `window`-token sliding-window layer can see, or itself when
+        that is not narrower. With table columns, the queries of row b sit at positions p_b + [0, Q) at most
+        (p_b its first query's) and see keys newer than their position - window, so only columns
+        [p_b - window + 1, p_b + Q) matter: a long context's windowed layers gather window + Q - 1 columns per
+        row, not all of them. Built once per forward and window; read after the layer's K/V write."""
+        Q, Lkv = self.positions.shape[1], self.kv_slots.shape[1]
+        W = window - 1 + Q
+        if not self.table_columns or self.kv_positions is None or W >= Lkv:
+            return self
+        if self._window_views is None:
+            self._window_views = {}
+        view = self._window_views.get(window)
+        if view is None:
+            cols = self.positions[:, :1] - (window - 1) + torch.arange(W, device=self.positions.device)  # [B, W]
+            inside = (cols >= 0) & (cols < Lkv)
+            cols = cols.clamp(0, Lkv - 1)
+            zero = torch.zeros((), dtype=self.kv_slots.dtype, device=self.kv_slots.device)
+            take = lambda x: None if x is None else torch.where(inside, x.gather(1, cols), zero)  # noqa: E731
+            if self.mask is not None:
+                mask, causal = self.mask.gather(2, cols[:, None, :].expand(-1, Q, -1)) & inside[:, None, :], None
+            else:
+                q_valid, k_valid = self.causal
+                mask, causal = None, (q_valid, k_valid.gather(1, cols) & inside)
+            view = AttentionBatch(self.positions, self.out_slots, take(self.kv_slots), mask,
+                                  self.kv_positions.gather(1, cols), swa_out_slots=self.swa_out_slots,
+                                  swa_kv_slots=take(self.swa_kv_slots), causal=causal)
+            self._window_views[window] = view
+        return view
 
     def attend_mask(self) -> Tensor:
         """`mask`, built on first use when the batch was made with `causal` parts instead."""
@@ -114,4 +148,5 @@ def extend_batch(
     k_valid = k_idx[None, :] < end[:, None]  # [B, Lkv]
     kv_slots = torch.where(k_valid, table[:, kv_cols], torch.zeros((), dtype=table.dtype, device=dev))
     kv_positions = k_idx[None, :].expand(rows.shape[0], kv_len)
-    return AttentionBatch(positions, out_slots, kv_slots, None, kv_positions, causal=(q_valid, k_valid))
+    return AttentionBatch(positions, out_slots, kv_slots, None, kv_positions, causal=(q_valid, k_valid),
+                          table_columns=True)
