@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -179,7 +180,21 @@ def validate(cfg: DictConfig) -> None:
             errors.append(f"allocator.num_slots={a.num_slots} is smaller than one request needs ({need} slots for "
                           f"max_new_tokens={w.max_new_tokens} plus draft and verify space at page_size={ps}); "
                           f"use allocator.num_slots>={need}")
-    if "window" in a and cfg.draft.method != "none" and a.window < cfg.draft.num_steps + 1:
+    swa_slots = a.get("swa_num_slots")
+    if swa_slots is not None and swa_slots < 1:
+        errors.append(f"allocator.swa_num_slots={swa_slots} must be positive (or null: the same as num_slots)")
+    elif swa_slots is not None and "window" in a and a.window >= 1 and ps >= 1 and not ps & (ps - 1):
+        # the window pool holds a request's newest window tokens plus a step's draft space, or all of a short one
+        need = min(one_request_slots(cfg), -(-a.window // ps) * ps + one_request_slots(cfg, new_tokens=0))
+        if swa_slots < need:
+            errors.append(f"allocator.swa_num_slots={swa_slots} is smaller than one request needs in the window "
+                          f"pool ({need} slots: the last allocator.window={a.window} tokens, or all "
+                          f"max_new_tokens={w.max_new_tokens}, plus draft and verify space at page_size={ps}); use "
+                          f"allocator.swa_num_slots>={need} (a prompt's prefill also holds all its tokens there)")
+    if "window" in a and a.window < 1:
+        errors.append(f"allocator.window={a.window} must be >= 1 (tokens a sliding-window layer sees; the model's "
+                      f"own sliding_window is the usual value)")
+    elif "window" in a and cfg.draft.method != "none" and a.window < cfg.draft.num_steps + 1:
         errors.append(f"allocator.window={a.window} is shorter than one speculative step needs "
                       f"(num_steps + 1 = {cfg.draft.num_steps + 1} tokens); use allocator.window>="
                       f"{cfg.draft.num_steps + 1}")
@@ -212,14 +227,15 @@ def run_stop_strings(cfg) -> list:
     return [unescape(s) if isinstance(s, str) else s for s in stop] if isinstance(stop, list) else stop
 
 
-def one_request_slots(cfg) -> int:
-    """KV slots one request needs beyond its prompt: its new tokens, one verify tree and draft scratch."""
+def one_request_slots(cfg, new_tokens: Optional[int] = None) -> int:
+    """KV slots one request needs beyond its prompt: its new tokens (max_new_tokens unless given), one verify
+    tree and draft scratch."""
     from specpipe.stages.draft_scratch import draft_columns, scratch_tokens_per_request
 
     d, ps = cfg.draft, cfg.allocator.page_size
     width = draft_columns(d.method, d.num_steps)
     extra = 2 if d.method == "none" else d.num_draft_tokens + scratch_tokens_per_request(ps, d.topk, width)
-    tokens = cfg.workload.max_new_tokens + extra
+    tokens = (cfg.workload.max_new_tokens if new_tokens is None else new_tokens) + extra
     return (-(-tokens // ps) + 2) * ps
 
 

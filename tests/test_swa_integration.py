@@ -11,6 +11,7 @@ from specpipe.errors import ConfigError
 from specpipe.models.attention_batch import extend_batch
 from specpipe.models.random_tiny import build_random_tiny
 from specpipe.stages.prepare_decode import PrepareDecode, target_kv_layout
+from specpipe.validate import validate
 from helpers import compose, random_prompts, write_prompts
 
 WINDOW = 16
@@ -130,3 +131,24 @@ def test_a_prompt_longer_than_the_window_pool_names_swa_num_slots(tmp_path):
     r = one(128)
     assert r.finish_reason == "error" and "raise allocator.swa_num_slots" in r.error
     assert one(int(r.error.split("at least ")[1].split()[0])).finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("ps,topk", [(1, 4), (16, 1)])
+def test_the_smallest_window_pool_validation_accepts_serves_a_short_request(tmp_path, ps, topk):
+    """allocator.swa_num_slots below what one request holds in the window pool (its last window tokens plus a
+    step's draft and verify space) is a config error naming that size; that size itself runs a short request
+    (a 3-token prompt, longer output than the window) to the end, evicting as it goes."""
+    prompts = tmp_path / "short.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n')
+    base = ["model=random_tiny", "device.dtype=float64", f"model.sliding_window={WINDOW}", f"workload.prompts_file={prompts}",
+            "workload.max_new_tokens=64", "workload.ignore_eos=true", "allocator=swa", f"allocator.window={WINDOW}",
+            f"allocator.page_size={ps}", f"draft.topk={topk}"]
+    with pytest.raises(ConfigError, match="smaller than one request needs in the window pool") as e:
+        validate(compose(*base, "allocator.swa_num_slots=8"))
+    need = int(str(e.value).split("swa_num_slots>=")[1].split()[0])
+    with pytest.raises(ConfigError, match=f"swa_num_slots>={need} "):
+        validate(compose(*base, f"allocator.swa_num_slots={need - 1}"))
+    out = run(compose(*base, f"allocator.swa_num_slots={need}"), quiet=True)
+    r = out["requests"][0]
+    assert r.finish_reason == "length" and len(r.output_ids) == 64
+    assert out["metrics"]["swa_evicted_tokens"] > 0 and out["metrics"]["swa_window_peak_slots"] <= need
