@@ -344,7 +344,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     layout = device.lay_out_weights(models, (1, step_rows))
     metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,
                       cfg.draft.num_draft_tokens if spec else 2)
-    metrics.attach_model_timer(models, device.synchronize)
+    if cfg.get("model_timing", True):
+        metrics.attach_model_timer(models, device.synchronize)
     pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
     compiles_before = recompile_count()
     partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None

@@ -39,6 +39,7 @@ class Metrics:
         self._hooks: list = []
         self._outer = 0  # > 0 inside a branch timed by model_branch: the hooks stand aside
         self._synchronize = lambda: None
+        self.timed = False  # attach_model_timer ran: model time was measured (else the split is unknown)
 
     @contextmanager
     def stage(self, name: str):
@@ -58,6 +59,7 @@ class Metrics:
         import torch
 
         self._synchronize = synchronize
+        self.timed = True
         seen = set()
         for mod in modules:
             if mod is None or id(mod._forward_hooks) in seen:  # shallow copies share hook dicts
@@ -80,8 +82,11 @@ class Metrics:
             self._hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
 
     def model_branch(self, fn):
-        """`fn` (a compiled or captured branch that runs a model forward) timed as model time, as a whole."""
+        """`fn` (a compiled or captured branch that runs a model forward) timed as model time, as a whole
+        (while the model timer is attached: untimed runs add no device syncs)."""
         def timed(*args, **kwargs):
+            if not self.timed:
+                return fn(*args, **kwargs)
             self._synchronize()
             t = time.perf_counter()
             self._outer += 1
@@ -147,9 +152,10 @@ class Metrics:
             **self._acceptance(),
             "num_verify_steps": self.num_verify_steps,
             "stage_ms": stage_ms,
-            "stage_model_ms": model_ms,
-            "stage_host_ms": {k: max(0.0, stage_ms[k] - model_ms[k]) for k in stage_ms},
-            "model_share": model / total if total > 0 else None,
+            # null when model timing was off (model_timing=false): no device-synchronized forwards to time
+            "stage_model_ms": model_ms if self.timed else None,
+            "stage_host_ms": {k: max(0.0, stage_ms[k] - model_ms[k]) for k in stage_ms} if self.timed else None,
+            "model_share": model / total if total > 0 and self.timed else None,
             "time_to_first_token_s_mean": float(np.mean(self.first_token_s)) if self.first_token_s else None,
             "step_latency_ms_p50": pct(50),
             "step_latency_ms_p90": pct(90),

@@ -46,8 +46,11 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
     for k, v in rows:
         t.add_row(k, v)
     sm, mm = m["stage_ms"], m["stage_model_ms"]
-    label = "ms per round (model)" if m["num_verify_steps"] else "ms in all (model)"  # no round: totals
-    t.add_row(label, ", ".join(f"{k} {v:.2f} ({mm.get(k, 0.0):.2f})" for k, v in sm.items()))
+    label = "ms per round" if m["num_verify_steps"] else "ms in all"  # no round: totals
+    if mm is None:  # model_timing=false: stage times only
+        t.add_row(label, ", ".join(f"{k} {v:.2f}" for k, v in sm.items()))
+    else:
+        t.add_row(f"{label} (model)", ", ".join(f"{k} {v:.2f} ({mm.get(k, 0.0):.2f})" for k, v in sm.items()))
     con = Console()
     con.print(t)
     if m.get("num_errors"):

@@ -256,6 +256,10 @@ class Config:
     seed: int = 0
     resume: bool = False  # skip a job whose output dir already holds metrics.json from the same config
     latency_limit_ms: Optional[float] = None  # sweep objective: runs whose p90 step latency exceeds it score < 0
+    # time model forwards with the device synchronized around each (stage_model_ms / stage_host_ms); false skips
+    # those syncs, so on an accelerator the host queues the next stage's work while the device runs (the split is
+    # then null in metrics.json); free on CPU, where ops finish before they return
+    model_timing: bool = True
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

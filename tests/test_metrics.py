@@ -46,6 +46,7 @@ def test_budget_and_counters():
 
 def test_host_time_is_stage_time_minus_model_time():
     m = Metrics(1)
+    m.attach_model_timer([], lambda: None)
     m.stage_s["verify"], m.model_s["verify"] = 0.5, 0.3
     m.num_verify_steps = 10
     s = m.summary(1.0, 0)
@@ -93,3 +94,23 @@ def test_model_timer_counts_a_compiled_model_branch_once(monkeypatch):
     assert torch.allclose(out, lin(x) * 2)
     assert m.model_s["draft"] == 1.0  # the branch as a whole, not again by the hooks
     m.detach()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_model_timing_off_adds_no_device_syncs(monkeypatch, compiled):
+    """model_timing=false: no device synchronize anywhere in a run (eager forwards or a compiled model branch),
+    and the model / host split is null rather than a wrong number; on, every forward is synchronized."""
+    from helpers import compose
+    from specpipe.app import run
+    from specpipe.devices.cpu import CpuDevice
+
+    syncs = []
+    monkeypatch.setattr(CpuDevice, "synchronize", lambda self: syncs.append(1))
+    policy = ['compile.verify.target_forward="compile(backend=eager)"'] if compiled else []
+    base = ["model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=8", *policy]
+    out = run(compose(*base, "model_timing=false"), quiet=True)
+    m = out["metrics"]
+    assert syncs == [] and m["stage_model_ms"] is None and m["stage_host_ms"] is None and m["model_share"] is None
+    assert m["stage_ms"]["verify"] > 0 and m["generated_tokens"] == 16
+    on = run(compose(*base), quiet=True)["metrics"]
+    assert len(syncs) >= 2 * on["num_verify_steps"] and on["stage_model_ms"]["verify"] > 0

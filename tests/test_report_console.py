@@ -22,3 +22,12 @@ def test_title_names_the_drafter(capsys, draft, title):
     print_summary(metrics(draft), None)
     out = capsys.readouterr().out
     assert title in out and "PagedAllocator" in out
+
+
+def test_stage_times_without_model_timing_have_no_model_column(capsys):
+    m = metrics({"method": "none", "topk": 1, "num_steps": 1, "num_draft_tokens": 2})
+    print_summary(m, None)
+    assert "ms per round (model)" in capsys.readouterr().out
+    print_summary({**m, "stage_model_ms": None}, None)
+    out = capsys.readouterr().out
+    assert "ms per round" in out and "(model)" not in out and "verify 1.00" in out
