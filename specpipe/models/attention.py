@@ -133,6 +133,32 @@ def sparse_select(q: Tensor, keys: Tensor, mask: Tensor, positions: Tensor, kv_p
     return mask & (recent | (pick & cand))
 
 
+# K/V elements (B * L * Hkv * D) from which packing pays: below it the packing's fixed cost (~40 us per call on this
+# CPU) outweighs reading K/V once per group instead of once per head (scripts/bench_gqa_attention.py)
+PACK_MIN_KV = 1 << 19
+
+
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA of q [B, H, Q, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv, query head h reading KV head
+    h // (H / Hkv)) under a mask shared by the heads ([B, 1, Q, L]) -> [B, H, Q, D].
+
+    The G = H / Hkv query heads of a KV group go in as G*Q queries of one head: every K/V block is then read
+    once per group, not once per query head as with enable_gqa, which is what few-query attention over a long
+    context (decode, verify trees, draft steps) pays for: 1.2-3.3x per call from 2^19 K/V elements on
+    (`scripts/bench_gqa_attention.py`). Each query row gets the same dot products and softmax as before."""
+    B, H, Q, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = H // Hkv
+    if G == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # a compiled graph packs always: a size test would guard (or fail) on the dynamic context length
+    if not torch.compiler.is_compiling() and B * L * Hkv * D < PACK_MIN_KV:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    qg = q.reshape(B, Hkv, G * Q, D)  # head g*G + r, query i -> group g, row r*Q + i
+    mg = mask[:, :, None].expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mg).view(B, H, Q, D)
+
+
 BAND_CHUNK = 256  # queries per chunk of a banded (sliding-window) prefill
 
 
@@ -247,8 +273,7 @@ class Attention(nn.Module):
         sparse = self.top_k is not None and batch.kv_positions is not None
         if windowed or sparse:
             return self._masked_pool_attention(q, keys, vals, batch, kv, windowed, sparse)
-        return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                              attn_mask=batch.dense_mask(), enable_gqa=True)
+        return grouped_sdpa(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), batch.dense_mask())
 
     def _masked_pool_attention(self, q: Tensor, keys: Tensor, vals: Tensor, batch: AttentionBatch, kv: KVPool,
                                windowed: bool, sparse: bool) -> Tensor:
@@ -270,8 +295,7 @@ class Attention(nn.Module):
                 mask = sparse_select(q[:, a:b], keys, mask, pos, batch.kv_positions, self.top_k, self.local)
                 if track:
                     picked = mask.any(1) if picked is None else picked | mask.any(1)
-            outs.append(F.scaled_dot_product_attention(q[:, a:b].transpose(1, 2), kt, vt, attn_mask=sdpa_mask(mask),
-                                                       enable_gqa=True))
+            outs.append(grouped_sdpa(q[:, a:b].transpose(1, 2), kt, vt, sdpa_mask(mask)))
         if track:
             batch.observe(self.layer_idx, batch, picked[:, None, :], kv.token_bytes, self.top_k + self.local)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
