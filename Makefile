@@ -15,6 +15,9 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 run: $(STAMP)
 	$(PY) -m specpipe $(ARGS)
 
+# two pytest workers (pytest-xdist): every test runs torch on one thread, so two cores halve the suite's time
+PYTEST_ARGS ?= -n 2
+
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -84,3 +84,11 @@ def ancestors(parent: torch.Tensor) -> torch.Tensor:
                 mask[b, j, v] = True
                 v = int(parent[b, v])
     return mask
+
+
+def default_sigint() -> None:
+    """preexec_fn for a child that the test interrupts: a runner that started the tests in the background (a
+    non-interactive shell's `&`) leaves SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

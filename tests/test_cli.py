@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["model=random_tiny", "workload.num_prompts=3", "workload.max_new_tokens=12"]
@@ -69,7 +70,7 @@ def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
                           "workload.max_new_tokens=1500", "workload.batch_size=1", "draft=none",
                           f"hydra.run.dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.time() + 120
     while time.time() < deadline and (not partial.exists() or not partial.read_text().strip()):
         assert p.poll() is None, p.communicate()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import compose
+from helpers import compose, default_sigint
 
 from specpipe.report import main as report_main
 from specpipe.sweep import finished_metrics, objective, tree_search_space
@@ -101,7 +101,7 @@ def test_ctrl_c_keeps_finished_jobs(tmp_path):
             "workload.num_prompts=1", f"hydra.sweep.dir={sweep}"]
     with open(tmp_path / "stderr.txt", "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "specpipe", *args], cwd=ROOT, env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=default_sigint)
         deadline = time.monotonic() + 120
         while not (sweep / "1" / ".hydra" / "overrides.yaml").exists():  # job 0 done, job 1 (~10 s) started
             assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before job 1 started"
