@@ -170,7 +170,8 @@ def validate(cfg: DictConfig) -> None:
                       f'{{"prompt": "..."}} object per line)')
     a = cfg.allocator
     ps = a.page_size
-    if ps < 1 or ps & (ps - 1):
+    ps_ok = ps >= 1 and not ps & (ps - 1)
+    if not ps_ok:
         errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, ..., 64)")
     elif a.num_slots is not None and a.num_slots < 1:
         errors.append(f"allocator.num_slots={a.num_slots} must be positive (or null: sized for the workload)")
@@ -183,7 +184,7 @@ def validate(cfg: DictConfig) -> None:
     swa_slots = a.get("swa_num_slots")
     if swa_slots is not None and swa_slots < 1:
         errors.append(f"allocator.swa_num_slots={swa_slots} must be positive (or null: the same as num_slots)")
-    elif swa_slots is not None and "window" in a and a.window >= 1 and ps >= 1 and not ps & (ps - 1):
+    elif swa_slots is not None and "window" in a and a.window >= 1 and ps_ok:
         # the window pool holds a request's newest window tokens plus a step's draft space, or all of a short one
         need = min(one_request_slots(cfg), -(-a.window // ps) * ps + one_request_slots(cfg, new_tokens=0))
         if swa_slots < need:
