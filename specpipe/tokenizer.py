@@ -1,6 +1,7 @@
 """Tokenizers a model folder can describe: bytes (the shipped pair) or a `tokenizer.json` (HF `tokenizers`)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -35,10 +36,14 @@ class HFTokenizer:
     list several, e.g. Llama-3 instruct's <|end_of_text|> and <|eot_id|>)."""
 
     def __init__(self, path: str | Path, eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None,
-                 eos_token_ids: Sequence[int] = (), add_special_tokens: bool = True):
+                 eos_token_ids: Sequence[int] = (), add_special_tokens: bool = True,
+                 metaspace: Optional[str] = None):
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
+        self.metaspace = metaspace
+        if metaspace is not None:
+            as_llama_tokenizer(self._tok, metaspace)
         # a file saved with truncation or padding on would cut or pad every prompt: transformers' tokenizer(...)
         # does neither unless asked, and neither does specpipe
         self._tok.no_truncation()
@@ -66,6 +71,46 @@ class HFTokenizer:
             if tok.special and tok.content == text:
                 return i
         return None
+
+
+SPM_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")  # classes transformers 5 rebuilds as Metaspace BPE
+MISTRAL_TYPES = ("mistral", "mixtral", "ministral", "ministral3", "mistral3", "mistral_large4")
+
+
+def llama_prepend_scheme(tokenizer_json: str, tokenizer_config: dict, model_type: Optional[str]) -> Optional[str]:
+    """The Metaspace prepend scheme transformers 5's AutoTokenizer encodes with, or None when it reads the
+    tokenizer.json as saved.
+
+    transformers 5 builds a `LlamaTokenizer` folder's tokenizer anew from the file's vocabulary and merges
+    (its normalizer, pre-tokenizer and decoder are ignored): a Metaspace pre-tokenizer that prepends "▁" to
+    the first piece only (`legacy: false`, the default), to every piece between special tokens
+    (`legacy: true`), or never (`add_prefix_space: false`). A Llama-2-era file instead prepends through its
+    normalizer, after every special token too, so a chat prompt ("<s>[INST] Hi") or a prompt starting with
+    a space tokenized differently from what HF transformers and vLLM feed the model. Byte-level files
+    (Llama-3 vocabularies under a Llama class) and Mistral models keep the file, as transformers does."""
+    cls = tokenizer_config.get("tokenizer_class")
+    if cls not in SPM_CLASSES or model_type in MISTRAL_TYPES or '"ByteLevel"' in tokenizer_json:
+        return None
+    try:
+        if json.loads(tokenizer_json).get("model", {}).get("type") != "BPE":
+            return None
+    except ValueError:
+        return None
+    if tokenizer_config.get("add_prefix_space") is False:
+        return "never"
+    return "always" if tokenizer_config.get("legacy") else "first"
+
+
+def as_llama_tokenizer(tok, prepend_scheme: str) -> None:
+    """Give a SentencePiece-BPE `tokenizers.Tokenizer` the pipeline of transformers 5's LlamaTokenizer."""
+    from tokenizers import decoders, pre_tokenizers
+
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prepend_scheme != "never":
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
 
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded before an output (vLLM's initial detokenization offset)

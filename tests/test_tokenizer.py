@@ -156,3 +156,40 @@ def test_a_prompt_that_ends_inside_a_character(cut):
     for n in range(1, len(out) + 1):
         deltas([Req(out[:n], n == len(out))])
     assert "".join(e.text for e in events) == text and all("\ufffd" not in e.text for e in events)
+
+
+LLAMA_CLASS_TEXTS = ["The cat sat", " The cat", "  two  spaces", "\nhi cat", "<s>[INST] The cat [/INST] I'm here",
+                     "cat</s><s>The mat", "héllo 龍 cat", ""]
+
+
+@pytest.mark.parametrize("model_type,tokenizer_config", [
+    ("llama", {"tokenizer_class": "LlamaTokenizerFast", "legacy": False}),
+    ("llama", {"tokenizer_class": "LlamaTokenizer"}),  # legacy unset: transformers 5 defaults to False
+    ("llama", {"tokenizer_class": "LlamaTokenizerFast", "legacy": True}),
+    ("llama", {"tokenizer_class": "LlamaTokenizer", "add_prefix_space": False}),
+    ("llama", {"tokenizer_class": "PreTrainedTokenizerFast"}),  # the file as saved
+    ("llama", {}),
+    ("mistral", {"tokenizer_class": "LlamaTokenizer"}),  # Mistral folders keep the file in transformers too
+])
+def test_llama_class_folders_encode_and_decode_as_transformers(tmp_path, model_type, tokenizer_config):
+    """A Llama-2-era tokenizer.json (Prepend normalizer) under `tokenizer_class: LlamaTokenizer` gives the ids
+    transformers 5's AutoTokenizer gives, which rebuilds it as Metaspace BPE: no "▁" after special tokens
+    unless `legacy: true`, none doubled before a leading space. Decoding round-trips as in transformers."""
+    from transformers import AutoTokenizer
+
+    from specpipe.models.hf import load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    llama2_style(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", **tokenizer_config}))
+    raw = {"model_type": model_type, "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8, bos_token_id=1, eos_token_id=2)
+    mine = load_tokenizer(tmp_path, cfg, raw)
+    for text in LLAMA_CLASS_TEXTS:
+        ids = hf(text)["input_ids"]
+        assert mine.encode(text) == ids, text
+        assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True), text

@@ -411,9 +411,23 @@ def unapplied_generation_settings(folder: Path) -> dict:
     return {k: raw[k] for k, neutral in UNAPPLIED_GENERATION.items() if raw.get(k) not in (None, neutral, [], {})}
 
 
+def tokenizer_config(folder: Path, raw: dict) -> dict:
+    """tokenizer_config.json's fields that choose how transformers builds the tokenizer (`tokenizer_class`,
+    `legacy`, `add_prefix_space`), with config.json's `tokenizer_class` as its fallback; {} when unreadable
+    (a broken file is reported where the chat template is read)."""
+    try:
+        conf = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        conf = {}
+    conf = conf if isinstance(conf, dict) else {}
+    if not conf.get("tokenizer_class") and raw.get("tokenizer_class"):
+        conf = {**conf, "tokenizer_class": raw["tokenizer_class"]}
+    return conf
+
+
 def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = None):
     """``specpipe_tokenizer`` in config.json, else tokenizer.json, else a CheckpointError."""
-    from specpipe.tokenizer import HFTokenizer, tokenizer_from_description
+    from specpipe.tokenizer import HFTokenizer, llama_prepend_scheme, tokenizer_from_description
 
     folder = Path(folder)
     raw = read_config(folder) if raw is None else raw
@@ -427,8 +441,10 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
     elif (folder / "tokenizer.json").is_file():
         eos = eos_ids(folder, cfg)
         try:
+            scheme = llama_prepend_scheme((folder / "tokenizer.json").read_text(encoding="utf-8", errors="replace"),
+                                          tokenizer_config(folder, raw), raw.get("model_type"))
             tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=eos[0] if eos else None,
-                              bos_token_id=cfg.bos_token_id, eos_token_ids=eos)
+                              bos_token_id=cfg.bos_token_id, eos_token_ids=eos, metaspace=scheme)
         except Exception as e:  # the tokenizers package's own words, with the file named
             raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file the `tokenizers` package can "
                                   f"read ({str(e) or type(e).__name__}); copy tokenizer.json again from the model's "
