@@ -237,17 +237,32 @@ class Pipeline:
         return (logits.clone() if self.sampling.penalized else logits), lse
 
     @staticmethod
-    def token_logprobs(raw, tokens: Tensor, nodes: Optional[Tensor] = None) -> Optional[list]:
-        """Host lists [B][K] of log p(token) under the raw target distribution (vLLM's raw_logprobs), at
-        tree `nodes` [B, K] of [B, N, V] logits, or of [B, V] logits for tokens [B, K]; None when off.
-        One more host transfer, only with workload.logprobs."""
+    def token_logprobs(raw, tokens: Tensor, nodes: Optional[Tensor] = None) -> Optional[Tensor]:
+        """[B, K] log p(token) under the raw target distribution (vLLM's raw_logprobs), at tree `nodes` [B, K]
+        of [B, N, V] logits, or of [B, V] logits for tokens [B, K]; None when off. Stays on the device:
+        `read_back` brings it over with the step's committed tokens."""
         if raw is None:
             return None
         logits, lse = raw
         if nodes is None:  # [B, V]: every token is drawn after the row's one position
-            return (logits.gather(1, tokens).to(lse.dtype) - lse[:, None]).tolist()
+            return logits.gather(1, tokens).to(lse.dtype) - lse[:, None]
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-        return (logits[rows, nodes, tokens].to(lse.dtype) - lse.gather(1, nodes)).tolist()
+        return logits[rows, nodes, tokens].to(lse.dtype) - lse.gather(1, nodes)
+
+    @staticmethod
+    def read_back(ints: Tensor, floats: Optional[Tensor] = None) -> tuple[list, Optional[list]]:
+        """The step's one device->host read: host rows of [B, k] integers, and of [B, K] floats (log-
+        probabilities) when given, which ride along as their bit patterns so that turning logprobs on adds
+        no second read."""
+        if floats is None:
+            return ints.tolist(), None
+        wide = floats.dtype == torch.float64
+        bits = floats.view(torch.int64 if wide else torch.int32).to(torch.int64)
+        rows = torch.cat([ints.to(torch.int64), bits], 1).tolist()
+        k = ints.shape[1]
+        tail = np.asarray([r[k:] for r in rows], dtype=np.int64).reshape(len(rows), -1)
+        values = tail.view(np.float64) if wide else tail.astype(np.int32).view(np.float32)
+        return [r[:k] for r in rows], values.tolist()
 
     # ---- admission ---------------------------------------------------------------------
     def prefill_target(self, reqs: list[Request]):
@@ -338,8 +353,8 @@ class Pipeline:
                 first = torch.where(torch.tensor(resumed, device=self.dev), known.to(self.dev), first)
             self.sampling.note(first[:, None], rows=new_rows)
             finite = torch.isfinite(logits).all(-1)
-            host = torch.stack([first, finite.to(first.dtype)], 1).tolist()
-            lps = self.token_logprobs(raw, first[:, None])
+            host, lps = self.read_back(torch.stack([first, finite.to(first.dtype)], 1),
+                                       self.token_logprobs(raw, first[:, None]))
             now = time.perf_counter()
             for i, (r, (t, ok)) in enumerate(zip(reqs, host)):
                 if r.resumed:
@@ -405,8 +420,8 @@ class PlainPipeline(Pipeline):
             self.sampling.note(nxt[:, None])
         with self.metrics.stage("commit"):
             finite = torch.isfinite(logits).all(-1)
-            host = torch.stack([nxt, finite.to(nxt.dtype)], 1).tolist()  # the one host sync of the step
-            lps = self.token_logprobs(raw, nxt[:, None])
+            host, lps = self.read_back(torch.stack([nxt, finite.to(nxt.dtype)], 1),  # the one host sync of the step
+                                       self.token_logprobs(raw, nxt[:, None]))
             for i, (r, (t, ok)) in enumerate(zip(self.reqs, host)):
                 if ok:
                     self.append_tokens(r, [t], None if lps is None else lps[i])

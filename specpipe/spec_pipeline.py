@@ -117,8 +117,8 @@ class SpecPipeline(Pipeline):
             self.sampling.note(commit, count)
         with m.stage("commit"):
             stats = self.round_stats(tree, accept_index, logits)
-            host = torch.cat([count[:, None], commit, stats], 1).tolist()  # the one host sync of the step
-            lps = self.token_logprobs(raw, commit, accept_index.clamp(min=0))
+            host, lps = self.read_back(torch.cat([count[:, None], commit, stats], 1),  # the one host sync of the step
+                                       self.token_logprobs(raw, commit, accept_index.clamp(min=0)))
             kept = np.asarray([self.commit_request(r, h, None if lps is None else lps[i])
                                for i, (r, h) in enumerate(zip(self.reqs, host))])
             m.record_round([h[0] for h in host], [h[S + 2: 2 * S + 2] for h in host], [h[-2] for h in host])

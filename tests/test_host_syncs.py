@@ -22,6 +22,8 @@ READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "
     ["draft=ngram"],
     ["draft=suffix", "workload.num_prompts=4"],  # the second pair drafts from the first pair's outputs too
     ["draft=none"],
+    ["draft.topk=4", "draft.num_steps=3", "workload.logprobs=true"],  # log-probabilities ride along
+    ["draft=none", "workload.logprobs=true"],
 ])
 def test_one_host_read_per_step(monkeypatch, overrides):
     counts, in_step = Counter(), [False]
@@ -59,3 +61,16 @@ def test_one_host_read_per_step(monkeypatch, overrides):
     assert measured > 5
     assert counts["tolist"] == measured, counts  # the commit's single read per step
     assert sum(v for k, v in counts.items() if k != "tolist") == 0, counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logprobs_ride_along_with_the_tokens_bit_for_bit(dtype):
+    from specpipe.pipeline import Pipeline
+
+    ints = torch.tensor([[5, -1, 2**40], [0, 7, -3]])
+    floats = torch.tensor([[-0.0, -1e-30, float("-inf")], [-123.456, -3.4e38, 1.5]], dtype=dtype)
+    rows, values = Pipeline.read_back(ints, floats)
+    assert rows == ints.tolist()
+    assert torch.equal(torch.tensor(values, dtype=dtype).view(torch.int64 if dtype == torch.float64 else torch.int32),
+                       floats.view(torch.int64 if dtype == torch.float64 else torch.int32))
+    assert Pipeline.read_back(ints) == (ints.tolist(), None)
