@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
-from specpipe.tokenizer import complete_end, decode_after, output_text, prompt_context
+from specpipe.tokenizer import complete_end, decode_after, output_text, own_start, prompt_context
 
 
 @dataclass
@@ -89,10 +89,12 @@ class _Deltas:
         end = c + len(ids)
         before = self.decode(part(prefix, read)) if read > prefix else ""
         after = self.decode(part(prefix, end))
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        # the first text: a character the prompt leaves unfinished stays the prompt's unless completed
+        start = own_start(before, self.decode(part(prefix, c)), after) if read < c else len(before)
+        if len(after) <= start or after.endswith("\ufffd"):
             return ""
         st[1], st[2] = read, end
-        delta = after[len(before):]
+        delta = after[start:]
         st[3] += len(delta)
         return delta
 

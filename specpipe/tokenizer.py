@@ -151,8 +151,17 @@ def decode_after(decode: Callable[[Sequence[int]], str], context: Sequence[int],
     context = list(context)
     before = decode(context[:complete_end(decode, context)])
     whole = decode([*context, *ids])
-    n = next((i for i, (a, b) in enumerate(zip(before, whole)) if a != b), min(len(before), len(whole)))
-    return whole[n:]  # n == len(before) unless later bytes made the context's own text invalid (byte fallback)
+    return whole[own_start(before, decode(context), whole):]
+
+
+def own_start(before: str, full: str, whole: str) -> int:
+    """Where the output's text starts in `whole` (the context's text and the output's): after `before` (the
+    context up to its last complete character), or after `full` (the whole context) when the character the
+    context leaves unfinished stays unfinished: its U+FFFD is the prompt's, not the output's."""
+    if len(full) > len(before) and whole.startswith(full):
+        return len(full)
+    # len(before) unless later bytes made the context's own text invalid (byte fallback)
+    return next((i for i, (a, b) in enumerate(zip(before, whole)) if a != b), min(len(before), len(whole)))
 
 
 def output_text(tokenizer, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:

@@ -158,6 +158,34 @@ def test_a_prompt_that_ends_inside_a_character(cut):
     assert "".join(e.text for e in events) == text and all("\ufffd" not in e.text for e in events)
 
 
+@pytest.mark.parametrize("cut", [1, 2, 4])
+def test_a_character_the_output_leaves_unfinished_stays_the_prompts(cut):
+    """Prompt ids that stop inside a character the output does not complete: the prompt's text holds its
+    U+FFFD, the output's text (and stream) does not, and a request with no output ids has no text."""
+    from specpipe.api import _Deltas
+
+    tok = ByteTokenizer()
+    prompt = tok.encode("东京")[:cut]
+    out = tok.encode(" cat sat")
+    assert tok.decode(prompt).endswith("\ufffd")
+    text = output_text(tok, prompt, out)
+    assert text == " cat sat" and output_text(tok, prompt, []) == ""
+
+    class Req:
+        index, error, logprobs = 0, None, None
+
+        def __init__(self, output_ids, last):
+            self.prompt_ids, self.output_ids = prompt, output_ids
+            self.finish_reason = "length" if last else None
+            self.finished = last
+
+    events = []
+    deltas = _Deltas(tok.decode, events.append)
+    for n in range(1, len(out) + 1):
+        deltas([Req(out[:n], n == len(out))])
+    assert events[0].text == " " and "".join(e.text for e in events) == text
+
+
 LLAMA_CLASS_TEXTS = ["The cat sat", " The cat", "  two  spaces", "\nhi cat", "<s>[INST] The cat [/INST] I'm here",
                      "cat</s><s>The mat", "héllo 龍 cat", ""]
 
