@@ -149,7 +149,8 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
         elif stops:
             special = getattr(tokenizer, "special_token_id", lambda s: None)
             r.stop_strings = StopStrings(stops, tokenizer.decode, [i for i in map(special, stops) if i is not None],
-                                         prompt_context(tokenizer.decode, r.prompt_ids))
+                                         prompt_context(tokenizer.decode, r.prompt_ids),
+                                         silent_ids=getattr(tokenizer, "special_ids", ()))
     return reqs
 
 

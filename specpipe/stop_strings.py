@@ -21,10 +21,11 @@ class StopStrings:
     prompt (a SentencePiece continuation keeps its leading space)."""
 
     def __init__(self, stops: Sequence[str], decode: Callable[[list], str], special_ids: Sequence[int] = (),
-                 context: Sequence[int] = ()):
+                 context: Sequence[int] = (), silent_ids: Sequence[int] = ()):
         self.stops = tuple(stops)
         self.decode = decode
         self.special_ids = frozenset(special_ids)
+        self.silent = frozenset(silent_ids)  # ids that decode to nothing (special tokens): the window skips them
         self.context = list(context)
         self.window = max(len(s.encode("utf-8")) for s in self.stops) + 8  # a token is at least one byte
 
@@ -33,6 +34,12 @@ class StopStrings:
         if output_ids and output_ids[-1] in self.special_ids:
             return True
         start = max(len(output_ids) - self.window, 0)
+        if self.silent:  # widen past the window's silent tokens (and those the widening brings in)
+            extra = sum(t in self.silent for t in output_ids[start:])
+            while extra > 8 and start > 0:  # the window's margin covers 8
+                wider = max(start - (extra - 8), 0)
+                extra = 8 + sum(t in self.silent for t in output_ids[wider:start])
+                start = wider
         if start == 0:
             text = decode_after(self.decode, self.context, output_ids)
         else:  # a window that starts inside a character would decode its whole byte run as U+FFFD

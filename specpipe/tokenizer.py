@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -21,6 +22,11 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    @cached_property
+    def special_ids(self) -> frozenset:
+        """Ids past the bytes: they decode to nothing."""
+        return frozenset(range(256, self.vocab_size))
 
     def describe(self) -> dict:
         return {"type": "byte", "vocab_size": self.vocab_size, "bos_token_id": self.bos_token_id,
@@ -64,6 +70,11 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    @cached_property
+    def special_ids(self) -> frozenset:
+        """Ids of special tokens: decoding skips them, so they add no text."""
+        return frozenset(i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)
 
     def special_token_id(self, text: str) -> Optional[int]:
         """The id of the special token spelled `text` (decoding skips it, so a stop string cannot see it)."""
@@ -128,12 +139,19 @@ def _nearest_clean(at: int, back: int, clean: Callable[[int], bool]) -> int:
     return next((i for i in range(at, max(at - back, 0) - 1, -1) if clean(i)), at)
 
 
-def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> list[int]:
-    """The last few prompt ids, starting on a character boundary: the context `decode_after` reads outputs in."""
+def prompt_context(decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int],
+                   max_back: int = 64) -> list[int]:
+    """The last few prompt ids, starting on a character boundary: the context `decode_after` reads outputs in.
+    Prompts that end in special tokens (which decode to nothing) reach back to the last token with text, up
+    to `max_back` tokens: a SentencePiece output read after no text at all would lose its first space."""
     prompt_ids = list(prompt_ids)
     if not prompt_ids:
         return []
-    return prompt_ids[clean_start(decode, prompt_ids, max(len(prompt_ids) - CONTEXT_TOKENS, 0)):]
+    start = max(len(prompt_ids) - CONTEXT_TOKENS, 0)
+    floor = max(len(prompt_ids) - max_back, 0)
+    while start > floor and not decode(prompt_ids[start:]):
+        start -= 1
+    return prompt_ids[clean_start(decode, prompt_ids, start):]
 
 
 def complete_end(decode: Callable[[Sequence[int]], str], context: Sequence[int], back: int = 4) -> int:

@@ -92,6 +92,31 @@ def test_a_stop_at_the_start_of_the_output_needs_the_prompt(sp):
     assert first_hit(StopStrings([" sat"], sp.decode), out) > 1  # without the prompt: only the second one
 
 
+@pytest.mark.parametrize("specials", [0, 5, 12, 70])
+def test_a_prompt_that_ends_in_special_tokens_keeps_the_outputs_space(sp, specials):
+    """Special tokens decode to nothing: the context reaches back past them to the prompt's text (up to 64
+    tokens), so the output still reads as it does after that text (it lost its first space after 5)."""
+    prompt, out = split(sp, "The cat", "The cat sat on the mat.")
+    prompt = prompt + [2, 1] * (specials // 2)
+    want = " sat on the mat." if specials < 64 else "sat on the mat."  # past the reach: as after no text
+    assert output_text(sp, prompt, out) == want
+    assert sp.decode(prompt) + output_text(sp, prompt, out) == sp.decode(prompt + out) or specials >= 64
+
+
+@pytest.mark.parametrize("silent", [0, 8, 9, 40])
+def test_stop_strings_see_past_special_tokens_in_the_output(sp, silent):
+    """A stop string split by special tokens the model emitted between its pieces (they add no text): the
+    window widens past them (with more than 8 the stop was missed)."""
+    prompt, head = split(sp, "The cat", "The cat sat on the")
+    tail = sp.encode("mat.")[1:]
+    out = head + [2] * silent + tail
+    stop = "the ma"  # across the specials
+    assert stop in output_text(sp, prompt, out)
+    stops = StopStrings([stop], sp.decode, context=prompt_context(sp.decode, prompt), silent_ids=sp.special_ids)
+    want = next(n for n in range(1, len(out) + 1) if stop in output_text(sp, prompt, out[:n]))
+    assert first_hit(stops, out) == want
+
+
 def test_a_stop_string_that_spells_a_special_token(sp):
     """Decoding skips special tokens, so "</s>" never shows in the text: the id stops instead."""
     assert sp.special_token_id("</s>") == 2 and sp.special_token_id("cat") is None
