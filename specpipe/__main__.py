@@ -61,12 +61,13 @@ def hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     register_schemas()
-    from specpipe.cli_errors import precheck, usage
+    from specpipe.cli_errors import expand_home, precheck, usage
 
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(usage())
         return
 
+    sys.argv[1:] = expand_home(sys.argv[1:])
     err = precheck(sys.argv[1:])
     if err:
         print(err, file=sys.stderr)

@@ -213,10 +213,11 @@ class Completion:
 
 def prompt_item(p: Any, n: int) -> dict:
     """One request's item from an API prompt (the prompts-file rules, errors naming `prompt n`)."""
-    from specpipe.workload import parse_prompt_line
+    from specpipe.workload import not_unicode, parse_prompt_line
 
     if isinstance(p, str):
-        return {"prompt": p}
+        why = not_unicode(p)
+        return {"prompt": p} if why is None else {"error": f"prompt {n}: {why}", "prompt": ""}
     if isinstance(p, (list, tuple)):
         p = {"prompt_ids": list(p)}
     if not isinstance(p, dict):
@@ -249,12 +250,13 @@ class SpecPipe:
     def __init__(self, *overrides: str):
         from specpipe.app import check_against_model, load_pair
         from specpipe.build import build
-        from specpipe.cli_errors import compose_config, precheck
+        from specpipe.cli_errors import compose_config, expand_home, precheck
 
         bad = [o for o in overrides if not isinstance(o, str) or "=" not in o or o.startswith("-")]
         if bad:
             raise SpecpipeError(f"specpipe: overrides are 'key=value' strings as on the command line "
                                 f"(e.g. 'draft.topk=4', 'allocator=paged'); got {bad[0]!r}")
+        overrides = tuple(expand_home(list(overrides)))
         err = precheck(list(overrides))
         if err:
             raise SpecpipeError(err)

@@ -131,13 +131,13 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
         elif "messages" in it:  # rendered with the model's chat template; the text is kept as the prompt
             try:
                 r.prompt, r.prompt_ids = encode_chat(tokenizer, it["messages"], **it.get("chat", {}))
-            except ValueError as e:  # ChatTemplateError included
+            except (ValueError, TypeError) as e:  # ChatTemplateError included; TypeError: the tokenizers package's
                 r.finish_reason, r.error = "error", f"the chat cannot be turned into a prompt: {e}"
                 continue
         else:
             try:
                 r.prompt_ids = tokenizer.encode(r.prompt)
-            except ValueError as e:
+            except (ValueError, TypeError) as e:  # TypeError: the tokenizers package's word for text it cannot take
                 r.finish_reason, r.error = "error", f"the prompt cannot be tokenized: {e}"
                 continue
         if not r.prompt_ids:

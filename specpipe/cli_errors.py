@@ -125,6 +125,24 @@ def valid_keys(dotted: str) -> list[str]:
         return []
 
 
+def expand_home(overrides: list[str]) -> list[str]:
+    """`key=~/dir` -> `key=/home/me/dir`: the shell leaves a "~" after "key=" alone, and the override grammar
+    has no unquoted "~" in values (Hydra's own error is a lexer exception)."""
+    import os
+
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and not key.startswith("-") and re.match(r"~[\w.-]*(/|$)", value) and value != "~":
+            path = os.path.expanduser(value)
+            if path != value and re.fullmatch(r"[\w/.+@%:-]+", path):
+                o = f"{key}={path}"
+            elif path != value and "'" not in path:
+                o = f"{key}='{path}'"
+        out.append(o)
+    return out
+
+
 def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -133,8 +151,12 @@ def compose_config(overrides: list[str]):
 
     register_schemas()
     GlobalHydra.instance().clear()
+    from specpipe.validate import expand_user_paths
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        cfg = compose(config_name="config", overrides=overrides)
+    expand_user_paths(cfg)
+    return cfg
 
 
 def expand(overrides: list[str], limit: int = 64) -> list[list[str]]:

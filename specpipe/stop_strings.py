@@ -69,4 +69,10 @@ def check_stop(value) -> Optional[str]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, (list, tuple)) or not all(isinstance(s, str) and s for s in values):
         return f"stop must be a non-empty string or a list of them, got {value!r}"
+    for s in values:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (f"stop string {s!r} holds a lone UTF-16 surrogate ({s[e.start]!r}), which is not Unicode text "
+                    f"and can never appear in an output")
     return None

@@ -125,12 +125,31 @@ def _unknown_keys(cfg: DictConfig, errors: list) -> None:
     check(cfg, "")
 
 
+PATH_KEYS = ("model.path", "draft.path", "workload.prompts_file")
+
+
+def expand_user_paths(cfg: DictConfig) -> None:
+    """A path setting that starts with "~" means the home folder, as in a shell (which cannot expand it in
+    `model.path=~/m`: the word does not start with "~")."""
+    import os
+
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value.startswith("~") and value not in ("~", ""):
+            OmegaConf.update(cfg, key, os.path.expanduser(value), merge=False)
+
+
 def validate(cfg: DictConfig) -> None:
     errors: list[str] = []
+    expand_user_paths(cfg)
     _unknown_keys(cfg, errors)
     for key in sorted(OmegaConf.missing_keys(cfg)):
         if not key.startswith("hydra"):
             errors.append(f"{key} is required but not set (add {key}=VALUE to the command line)")
+    for key in ("model.path", "draft.path"):
+        if isinstance(OmegaConf.select(cfg, key, default=None), str) and not OmegaConf.select(cfg, key).strip():
+            errors.append(f"{key} is empty; give a model folder (config.json + weights), e.g. {key}=/models/NAME"
+                          + (", or leave it out (null) for no separate draft model" if key == "draft.path" else ""))
     if errors:
         raise ConfigError(errors)
     _targets(cfg, "", errors)

@@ -62,6 +62,27 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, what to do instead)
 }
 
 
+def not_unicode(value, field: str = "") -> Optional[str]:
+    """Where a JSON value holds a string that is not Unicode text (a lone UTF-16 surrogate, which JSON's
+    "\\ud800" escape allows and no tokenizer can encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return None
+        except UnicodeEncodeError as e:
+            where = f'field "{field}"' if field else "the text"
+            return (f"{where} holds a lone UTF-16 surrogate ({value[e.start]!r} at character {e.start}), which is "
+                    f"not Unicode text; a character outside the BMP is written as a pair (\\ud83d\\ude00)")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        key = f"{field}.{k}" if field and isinstance(k, str) else f"{field}[{k}]" if field else str(k)
+        why = not_unicode(k, field) if isinstance(k, str) else None
+        why = why or not_unicode(v, key)
+        if why:
+            return why
+    return None
+
+
 def parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
     "max_new_tokens" (or "max_tokens"), "stop", "temperature", "top_p", "top_k"; or its error.
@@ -77,6 +98,9 @@ def parse_prompt_line(obj, where) -> dict:
             type(obj), "null" if obj is None else type(obj).__name__)
         return {"error": f'{n}: is {kind}; each prompt is a JSON object: {{"prompt": "..."}}, {{"prompt_ids": '
                          f'[...]}} or {{"messages": [...]}}', "prompt": ""}
+    why = not_unicode(obj)
+    if why:
+        return {"error": f"{n}: {why}", "prompt": ""}
     given = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
     if len(given) > 1:
         return {"error": f'{n}: has both {given[0]!r} and {given[1]!r}; give one of "prompt", "prompt_ids" and '

@@ -60,6 +60,10 @@ def test_bad_generate_arguments():
         sp.generate(["x"], max_new_tokens=0)
     with pytest.raises(SpecpipeError, match="at least one prompt"):
         sp.generate([])
+    with pytest.raises(SpecpipeError, match="stop string '\\\\ud800' holds a lone UTF-16 surrogate"):
+        sp.generate(["x"], stop=["\ud800"])
+    out = sp.generate(["x", "bad \ud800"], max_new_tokens=2)
+    assert out[0].finish_reason == "length" and "prompt 1: the text holds a lone UTF-16 surrogate" in out[1].error
 
 
 def test_stream_events_add_up_to_the_completions():

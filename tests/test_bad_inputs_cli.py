@@ -92,6 +92,7 @@ CASES = [
     (["model.num_layers=0", "model.sliding_window=0"], "model.num_layers=0 must be >= 1", False),
     (["allocator.num_slots=1000000000000000"], "the KV cache does not fit in cpu memory (an allocation of", False),
     (["draft=standalone", "model=hf", "model.path=/nonexistent/model"], "/nonexistent/model", False),
+    (["model=hf", "model.path="], "model.path is empty; give a model folder", True),
 ]
 
 
@@ -167,3 +168,22 @@ def test_prompts_from_standard_input(tmp_path):
     assert [r["prompt"] for r in recs] == ["def f(x):", ""] and all(len(r["output_ids"]) == 4 for r in recs)
     empty = subprocess.run(args, cwd=tmp_path, env=env, input="", capture_output=True, text=True, timeout=300)
     assert empty.returncode == 2 and "standard input held no prompts" in empty.stderr
+
+
+def test_home_folder_paths_expand(tmp_path, monkeypatch):
+    """`model.path=~/m`: the shell leaves the "~" alone after "key=", and Hydra's grammar refused it with a lexer
+    exception; quoted, "~/m" was taken literally ("does not exist"). Both now mean the home folder."""
+    import shutil
+
+    from specpipe.api import SpecPipe
+    from specpipe.cli_errors import compose_config, expand_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(ROOT / "specpipe" / "assets" / "tiny" / "target", tmp_path / "m")
+    (tmp_path / "my dir").mkdir()
+    assert expand_home(["model.path=~/m", "+x=~/my dir", "a=~", "b=x~/y", "--multirun", "c=~nosuchuser_xyz/z"]) == \
+        [f"model.path={tmp_path}/m", f"+x='{tmp_path}/my dir'", "a=~", "b=x~/y", "--multirun", "c=~nosuchuser_xyz/z"]
+    cfg = compose_config(["model=hf", 'model.path="~/m"', 'workload.prompts_file="~/p.jsonl"'])
+    assert cfg.model.path == str(tmp_path / "m") and cfg.workload.prompts_file == str(tmp_path / "p.jsonl")
+    out = SpecPipe("model=hf", "model.path=~/m", "draft=none").generate(["def f():"], max_new_tokens=3)
+    assert out[0].finish_reason == "length" and len(out[0].output_ids) == 3

@@ -41,6 +41,22 @@ def test_bad_requests_fail_alone(tmp_path, pair):
     assert out["metrics"]["request_errors"] == [{"index": i, "error": msgs[i]} for i in (1, 2, 3, 4, 5)]
 
 
+def test_text_that_is_not_unicode_fails_only_its_request(tmp_path, pair):
+    """JSON's "\\ud800" escape gives a lone surrogate, which no tokenizer can encode (the tokenizers package
+    raised TypeError, and a stop string UnicodeEncodeError, ending the whole run with a traceback)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "def f(x):"}\n{"prompt": "a \\ud800 b"}\n'
+                    '{"messages": [{"role": "user", "content": "x \\udc80"}]}\n'
+                    '{"prompt": "def g():", "stop": ["ok", "\\ud83d"]}\n{"prompt": "emoji \\ud83d\\ude00 fine"}\n')
+    out = run_on(path, pair, "workload.max_new_tokens=4")
+    reqs = out["requests"]
+    assert [r.finish_reason for r in reqs] == ["length", "error", "error", "error", "length"]
+    assert reqs[1].error.startswith('line 2: field "prompt" holds a lone UTF-16 surrogate') and "character 2" in reqs[1].error
+    assert 'field "messages[0].content" holds a lone UTF-16 surrogate' in reqs[2].error
+    assert 'field "stop[1]" holds a lone UTF-16 surrogate' in reqs[3].error
+    assert out["metrics"]["kv_leaked_slots"] == 0
+
+
 def mixed_prompts(n, seed=0):
     rng = random.Random(seed)
     return [{"prompt": "".join(rng.choice("abcdefgh ()=:") for _ in range(rng.randint(1, 40)))} for _ in range(n)]
