@@ -248,7 +248,7 @@ def check_out_dir(out_dir) -> None:
 
 class SpecPipe:
     def __init__(self, *overrides: str):
-        from specpipe.app import check_against_model, load_pair
+        from specpipe.app import check_against_model, ensure_standalone, load_pair
         from specpipe.build import build
         from specpipe.cli_errors import compose_config, expand_home, precheck
 
@@ -264,6 +264,7 @@ class SpecPipe:
         self.device = build(self.cfg.device, "device")
         self.dtype = self.cfg.model.get("dtype") or self.cfg.device.dtype
         self.pair = load_pair(self.cfg, self.dtype, self.device)
+        ensure_standalone(self.cfg, self.pair, self.dtype, self.device)
         check_against_model(self.cfg, self.pair)  # what generate() would refuse, said now
         self.metrics: Optional[dict] = None  # the last generate() call's metrics (metrics.json's content)
 

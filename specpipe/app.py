@@ -20,7 +20,7 @@ from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
 from specpipe.schema import SAMPLING_RULES
-from specpipe.stages.prepare_decode import target_kv_layout
+from specpipe.stages.prepare_decode import check_window_pool, target_kv_layout
 from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.stop_strings import StopStrings
@@ -220,6 +220,14 @@ def first_layer_copy(target):
     return small
 
 
+def ensure_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
+    """With draft=standalone: the pair's standalone model is the one draft.path names (loaded once)."""
+    if cfg.draft.method == "standalone" and (getattr(pair, "standalone", None) is None
+                                             or getattr(pair, "standalone_source", None) != cfg.draft.path):
+        load_standalone(cfg, pair, dtype, device)
+        pair.standalone_source = cfg.draft.path
+
+
 def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
     """The standalone drafter's model: draft.path, or for random_tiny the target's first layer."""
     if cfg.draft.path is not None:
@@ -284,7 +292,12 @@ def check_against_model(cfg: DictConfig, pair) -> None:
     if cfg.workload.max_new_tokens >= ctx:
         raise ConfigError(f"workload.max_new_tokens={cfg.workload.max_new_tokens} leaves no room for a prompt in "
                           f"the model's context of {ctx} tokens (max_position_embeddings); use at most {ctx - 1}")
+    if cfg.allocator.get("_target_", "").endswith("SWAAllocator"):
+        check_window_pool(pair, cfg.allocator.window)
     d = cfg.draft
+    if d.method == "eagle" and pair.draft is None:
+        raise ConfigError(f"draft=eagle needs an EAGLE head, but model {pair.name!r} has none; give "
+                          "draft.path=DIR or use draft=ngram, draft=standalone or draft=none")
     if d.method not in ("eagle", "standalone"):
         return  # n-gram topk counts matches, not vocabulary entries
     model = pair.draft if d.method == "eagle" else getattr(pair, "standalone", None)
@@ -309,10 +322,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     dtype = cfg.model.get("dtype") or cfg.device.dtype
     if pair is None:
         pair = load_pair(cfg, dtype, device)
-    if cfg.draft.method == "standalone" and (getattr(pair, "standalone", None) is None
-                                             or getattr(pair, "standalone_source", None) != cfg.draft.path):
-        load_standalone(cfg, pair, dtype, device)
-        pair.standalone_source = cfg.draft.path
+    ensure_standalone(cfg, pair, dtype, device)
     check_against_model(cfg, pair)
     cfg, sampling_source = model_sampling(cfg, pair)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,

@@ -1,6 +1,7 @@
 """The Python API: overrides as on the command line, weights loaded once, completions in prompt order,
 equal to what the CLI's run() decodes; bad prompts fail alone, bad overrides raise the CLI's message."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,21 @@ def test_bad_prompts_fail_alone_and_out_dir_gets_the_files(tmp_path):
 def test_bad_overrides_raise_the_cli_message(overrides, fragment):
     with pytest.raises(SpecpipeError, match=fragment):
         SpecPipe("model=random_tiny", *overrides)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (("model=hf", f"model.path={Path(__file__).resolve().parents[1]}/specpipe/assets/tiny/target", "draft=eagle"),
+     "draft=eagle needs an EAGLE head"),
+    (("model=tiny", "draft=standalone"), "draft=standalone needs draft.path=DIR"),
+    (("model=random_tiny", "allocator=swa"), "has no sliding-window layers"),
+    (("model=random_tiny", "model.sliding_window=64", "allocator=swa", "allocator.window=32"),
+     "allocator.window=32 is smaller than the model's sliding window of 64"),
+])
+def test_model_dependent_refusals_come_from_the_constructor(overrides, fragment):
+    """What generate() would refuse because of the loaded model is refused by SpecPipe(...) already, before
+    a program builds on the object."""
+    with pytest.raises(SpecpipeError, match=fragment):
+        SpecPipe(*overrides)
 
 
 def test_bad_generate_arguments():

@@ -235,6 +235,22 @@ class PrepareDecode(Stage):
         self.alloc_len[rows] = keep
 
 
+def check_window_pool(pair, window: int) -> None:
+    """ConfigError unless the target has sliding-window layers that an allocator window of `window` covers."""
+    cfg = pair.target.config
+    windows = [w for w in (cfg.window_of(i) for i in range(cfg.num_hidden_layers)) if w is not None]
+    name = getattr(pair, "name", "") or "this model"
+    if not windows:
+        raise ConfigError(f"allocator=swa keeps a window pool for sliding-window layers, but {name!r} has no "
+                          "sliding-window layers (its config sets no sliding_window); use a model with sliding "
+                          "window attention, e.g. model=random_tiny model.sliding_window=64, or another "
+                          "allocator (allocator=token or allocator=paged)")
+    if window < max(windows):
+        raise ConfigError(f"allocator.window={window} is smaller than the model's sliding window of "
+                          f"{max(windows)} tokens: the window pool would drop keys the model still attends to; "
+                          f"use allocator.window>={max(windows)}")
+
+
 def target_kv_layout(pair, allocator) -> dict:
     """``setup_kv`` keyword arguments for the target under ``allocator``; ConfigError when they don't fit.
 
@@ -244,20 +260,8 @@ def target_kv_layout(pair, allocator) -> dict:
     reads), is an error. HiSparse: the target reports its sparse selections to the hot buffers.
     """
     caps = getattr(allocator, "capabilities", frozenset())
-    cfg = pair.target.config
     if "window_evict" in caps:
-        windows = [cfg.window_of(i) for i in range(cfg.num_hidden_layers)]
-        windows = [w for w in windows if w is not None]
-        name = getattr(pair, "name", "") or "this model"
-        if not windows:
-            raise ConfigError(f"allocator=swa keeps a window pool for sliding-window layers, but {name!r} has no "
-                              "sliding-window layers (its config sets no sliding_window); use a model with sliding "
-                              "window attention, e.g. model=random_tiny model.sliding_window=64, or another "
-                              "allocator (allocator=token or allocator=paged)")
-        if allocator.window < max(windows):
-            raise ConfigError(f"allocator.window={allocator.window} is smaller than the model's sliding window of "
-                              f"{max(windows)} tokens: the window pool would drop keys the model still attends to; "
-                              f"use allocator.window>={max(windows)}")
+        check_window_pool(pair, allocator.window)
         return {"window_slots": allocator.swa_pool_slots}
     if "hisparse" in caps:
         return {"track_selection": True}
