@@ -43,13 +43,13 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path, eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None,
                  eos_token_ids: Sequence[int] = (), add_special_tokens: bool = True,
-                 metaspace: Optional[str] = None):
+                 pipeline: Optional[tuple] = None):
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
-        self.metaspace = metaspace
-        if metaspace is not None:
-            as_llama_tokenizer(self._tok, metaspace)
+        self.pipeline = pipeline  # transformers_pipeline's rebuild, or None: the file as saved
+        if pipeline is not None:
+            rebuild_as(self._tok, pipeline)
         # a file saved with truncation or padding on would cut or pad every prompt: transformers' tokenizer(...)
         # does neither unless asked, and neither does specpipe
         self._tok.no_truncation()
@@ -84,42 +84,62 @@ class HFTokenizer:
         return None
 
 
-SPM_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")  # classes transformers 5 rebuilds as Metaspace BPE
 MISTRAL_TYPES = ("mistral", "mixtral", "ministral", "ministral3", "mistral3", "mistral_large4")
+# Qwen2Tokenizer's pre-tokenizer split (transformers 5, models/qwen2/tokenization_qwen2.py)
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+               r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def llama_prepend_scheme(tokenizer_json: str, tokenizer_config: dict, model_type: Optional[str]) -> Optional[str]:
-    """The Metaspace prepend scheme transformers 5's AutoTokenizer encodes with, or None when it reads the
-    tokenizer.json as saved.
+def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_type: Optional[str]) -> Optional[tuple]:
+    """How transformers 5's AutoTokenizer rebuilds this folder's tokenizer, or None when it reads the
+    tokenizer.json as saved: ("metaspace", prepend_scheme) or ("qwen2", add_prefix_space).
 
-    transformers 5 builds a `LlamaTokenizer` folder's tokenizer anew from the file's vocabulary and merges
-    (its normalizer, pre-tokenizer and decoder are ignored): a Metaspace pre-tokenizer that prepends "▁" to
-    the first piece only (`legacy: false`, the default), to every piece between special tokens
-    (`legacy: true`), or never (`add_prefix_space: false`). A Llama-2-era file instead prepends through its
-    normalizer, after every special token too, so a chat prompt ("<s>[INST] Hi") or a prompt starting with
-    a space tokenized differently from what HF transformers and vLLM feed the model. Byte-level files
-    (Llama-3 vocabularies under a Llama class) and Mistral models keep the file, as transformers does."""
-    cls = tokenizer_config.get("tokenizer_class")
-    if cls not in SPM_CLASSES or model_type in MISTRAL_TYPES or '"ByteLevel"' in tokenizer_json:
+    transformers 5 builds `LlamaTokenizer` and `Qwen2Tokenizer` folders anew from the file's vocabulary and
+    merges, ignoring its normalizer, pre-tokenizer and decoder (and it treats every `model_type: qwen2`
+    folder as Qwen2Tokenizer, whatever class it names):
+    - LlamaTokenizer: a Metaspace pre-tokenizer that prepends "▁" to the first piece only (`legacy: false`,
+      the default), to every piece between special tokens (`legacy: true`), or never (`add_prefix_space:
+      false`). A Llama-2-era file prepends through its normalizer, after every special token too, so a chat
+      prompt ("<s>[INST] Hi") or a prompt starting with a space got other ids than transformers and vLLM.
+      A byte-level file under that class (Llama-3 vocabularies) is read as saved, as in transformers.
+    - Qwen2Tokenizer: NFC, Qwen2's split (every digit alone) and byte-level bytes. Applied to byte-level
+      files only: over a SentencePiece vocabulary transformers' rebuild yields ids the model never saw.
+    Mistral models keep the file, as in transformers."""
+    if model_type in MISTRAL_TYPES:
         return None
     try:
         if json.loads(tokenizer_json).get("model", {}).get("type") != "BPE":
             return None
     except ValueError:
         return None
+    cls = str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
+    byte_level = '"ByteLevel"' in tokenizer_json
+    if model_type == "qwen2" or cls == "Qwen2Tokenizer":
+        return ("qwen2", bool(tokenizer_config.get("add_prefix_space") or False)) if byte_level else None
+    if cls != "LlamaTokenizer" or byte_level:
+        return None
     if tokenizer_config.get("add_prefix_space") is False:
-        return "never"
-    return "always" if tokenizer_config.get("legacy") else "first"
+        return ("metaspace", "never")
+    return ("metaspace", "always" if tokenizer_config.get("legacy") else "first")
 
 
-def as_llama_tokenizer(tok, prepend_scheme: str) -> None:
-    """Give a SentencePiece-BPE `tokenizers.Tokenizer` the pipeline of transformers 5's LlamaTokenizer."""
-    from tokenizers import decoders, pre_tokenizers
+def rebuild_as(tok, pipeline: tuple) -> None:
+    """Give a `tokenizers.Tokenizer` the normalizer, pre-tokenizer and decoder that transformers 5 gives the
+    class `transformers_pipeline` named."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
+    kind, option = pipeline
+    if kind == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=option, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        return
     tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme, split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=option, split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prepend_scheme != "never":
+    if option != "never":
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
 

@@ -246,3 +246,71 @@ def test_llama_class_folders_encode_and_decode_as_transformers(tmp_path, model_t
         ids = hf(text)["input_ids"]
         assert mine.encode(text) == ids, text
         assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+def byte_level_style(path: Path) -> None:
+    """A GPT-2-style byte-level BPE file (its own split keeps digit runs together, so "10" is one token)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    corpus = CORPUS + ["for i in range(10): print(i * 12)", "In 2024 there were 10 cats and 100 mats."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_end|>")])
+    tok.save(str(path))
+
+
+@pytest.mark.parametrize("model_type,tokenizer_class,rebuilt", [
+    ("qwen2", "PreTrainedTokenizerFast", True),  # transformers 5 treats every qwen2 folder as Qwen2Tokenizer
+    ("qwen2", "LlamaTokenizerFast", True),
+    ("llama", "Qwen2Tokenizer", True),
+    ("qwen3", "Qwen2TokenizerFast", True),
+    ("llama", "PreTrainedTokenizerFast", False),
+    ("llama", "LlamaTokenizerFast", False),  # a byte-level file under a Llama class is read as saved
+    ("mistral", "Qwen2Tokenizer", False),
+])
+def test_qwen2_class_folders_encode_as_transformers(tmp_path, model_type, tokenizer_class, rebuilt):
+    """transformers 5 re-splits a Qwen2Tokenizer folder's byte-level file with Qwen2's rule (each digit
+    alone, NFC): "range(10)" then has "1" and "0" where the file's own split has "10"."""
+    from transformers import AutoTokenizer
+
+    from specpipe.models.hf import load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    byte_level_style(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": tokenizer_class, "eos_token": "<|im_end|>", "bos_token": None}))
+    raw = {"model_type": model_type, "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8)
+    mine = load_tokenizer(tmp_path, cfg, raw)
+    texts = ["for i in range(10): print(i * 12)", "In 2024 there were 10 cats.", " lead<|im_end|>tail", "é\u0301 ok"]
+    for text in texts:
+        ids = hf(text)["input_ids"]
+        assert mine.encode(text) == ids, text
+        assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    from tokenizers import Tokenizer
+
+    as_saved = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("range(10)").ids
+    assert (hf("range(10)")["input_ids"] != as_saved) == rebuilt  # the case is one where it matters
+
+
+def test_a_broken_tokenizer_config_stops_the_load(tmp_path):
+    """It decides the tokenizer class, legacy, special tokens and chat template: ignoring it changed prompt ids
+    without a word (as transformers does, loading fails, here with the file named)."""
+    from specpipe.models.hf import CheckpointError, load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    llama2_style(tmp_path / "tokenizer.json")
+    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8)
+    for text, fragment in [('{"tokenizer_class": "LlamaTokenizerFast", "legacy": false,}', "not valid JSON"),
+                           ("[1, 2]", "expected a JSON object at the top level, got list")]:
+        (tmp_path / "tokenizer_config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=fragment) as e:
+            load_tokenizer(tmp_path, cfg, {"model_type": "llama"})
+        assert str(tmp_path / "tokenizer_config.json") in str(e.value)

@@ -413,13 +413,19 @@ def unapplied_generation_settings(folder: Path) -> dict:
 
 def tokenizer_config(folder: Path, raw: dict) -> dict:
     """tokenizer_config.json's fields that choose how transformers builds the tokenizer (`tokenizer_class`,
-    `legacy`, `add_prefix_space`), with config.json's `tokenizer_class` as its fallback; {} when unreadable
-    (a broken file is reported where the chat template is read)."""
-    try:
-        conf = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        conf = {}
-    conf = conf if isinstance(conf, dict) else {}
+    `legacy`, `add_prefix_space`), with config.json's `tokenizer_class` as its fallback; {} without the file.
+    A file that is there but unreadable is a CheckpointError: it decides how prompts are tokenized."""
+    file = folder / "tokenizer_config.json"
+    conf: object = {}
+    if file.is_file():
+        try:
+            conf = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{file}: not valid JSON ({e}); it sets how prompts are tokenized (tokenizer "
+                                  f"class, special tokens, chat template): copy it again from the model's Hugging "
+                                  f"Face repo") from None
+        if not isinstance(conf, dict):
+            raise CheckpointError(f"{file}: expected a JSON object at the top level, got {type(conf).__name__}")
     if not conf.get("tokenizer_class") and raw.get("tokenizer_class"):
         conf = {**conf, "tokenizer_class": raw["tokenizer_class"]}
     return conf
@@ -427,7 +433,7 @@ def tokenizer_config(folder: Path, raw: dict) -> dict:
 
 def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = None):
     """``specpipe_tokenizer`` in config.json, else tokenizer.json, else a CheckpointError."""
-    from specpipe.tokenizer import HFTokenizer, llama_prepend_scheme, tokenizer_from_description
+    from specpipe.tokenizer import HFTokenizer, tokenizer_from_description, transformers_pipeline
 
     folder = Path(folder)
     raw = read_config(folder) if raw is None else raw
@@ -440,11 +446,12 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
                                   f"describe a usable tokenizer: {e}") from None
     elif (folder / "tokenizer.json").is_file():
         eos = eos_ids(folder, cfg)
+        how = tokenizer_config(folder, raw)
         try:
-            scheme = llama_prepend_scheme((folder / "tokenizer.json").read_text(encoding="utf-8", errors="replace"),
-                                          tokenizer_config(folder, raw), raw.get("model_type"))
+            rebuild = transformers_pipeline((folder / "tokenizer.json").read_text(encoding="utf-8", errors="replace"),
+                                            how, raw.get("model_type"))
             tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=eos[0] if eos else None,
-                              bos_token_id=cfg.bos_token_id, eos_token_ids=eos, metaspace=scheme)
+                              bos_token_id=cfg.bos_token_id, eos_token_ids=eos, pipeline=rebuild)
         except Exception as e:  # the tokenizers package's own words, with the file named
             raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file the `tokenizers` package can "
                                   f"read ({str(e) or type(e).__name__}); copy tokenizer.json again from the model's "
