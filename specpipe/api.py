@@ -218,6 +218,8 @@ def prompt_item(p: Any, n: int) -> dict:
     if isinstance(p, str):
         why = not_unicode(p)
         return {"prompt": p} if why is None else {"error": f"prompt {n}: {why}", "prompt": ""}
+    if hasattr(p, "tolist") and getattr(p, "ndim", None) == 1:  # a numpy array or torch tensor of ids
+        p = p.tolist()
     if isinstance(p, (list, tuple)):
         p = {"prompt_ids": list(p)}
     if not isinstance(p, dict):
@@ -290,6 +292,8 @@ class SpecPipe:
         from specpipe.schema import is_int, sampling_problem
         from specpipe.stop_strings import check_stop
 
+        if on_event is not None and not callable(on_event):
+            raise SpecpipeError(f"specpipe: on_event={on_event!r} must be a function taking a StreamEvent (or None)")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, bytearray)):
@@ -307,7 +311,7 @@ class SpecPipe:
         if max_new_tokens is not None:
             if not is_int(max_new_tokens) or max_new_tokens < 1:
                 raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-            cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": max_new_tokens}})
+            cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": int(max_new_tokens)}})
         if logprobs is not (cfg.workload.get("logprobs") or False):
             if not isinstance(logprobs, bool):
                 raise SpecpipeError(f"specpipe: logprobs={logprobs!r} must be True or False")
@@ -319,6 +323,7 @@ class SpecPipe:
             why = sampling_problem(key, v)
             if why:
                 raise SpecpipeError(f"specpipe: {key}={v!r} {why}")
+        sampling = {k: int(v) if k == "top_k" else float(v) for k, v in sampling.items()}  # numpy scalars too
         if sampling:  # this call's values win over the model's generation_config (from_model) and sampling.*
             from specpipe.app import model_sampling
 

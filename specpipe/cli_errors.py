@@ -100,11 +100,34 @@ def reword(exc: Exception, overrides: list[str]) -> str:
             return (f"specpipe: invalid value in {shaped}: its shape ({'a dict' if '={' in shaped else 'a list'}) "
                     f"is not what that setting holds; `python -m specpipe --cfg job` shows each key's value.")
     m = re.search(r"full_key: ([\w.]+)", msg)
+    if m and re.search(r"is not a valid bool", msg):
+        val = re.search(r"Value '(.*)' is not a valid bool", msg)
+        shown = repr(val.group(1)) if val else "the value"
+        return (f"specpipe: invalid value for {m.group(1)}: {shown} is not true or false; give {m.group(1)}=true or "
+                f"{m.group(1)}=false.")
+    if m and "is not Optional" in msg:
+        key = m.group(1)
+        default = default_value(key, [o for o in overrides if o.lstrip("+").split("=")[0] != key])
+        kind = ("true or false" if isinstance(default, bool) else "an integer" if isinstance(default, int)
+                else "a number" if isinstance(default, float) else "a value")
+        shown = str(default).lower() if isinstance(default, bool) else repr(default)
+        was = f" (its default is {shown})" if default is not None else ""
+        return f"specpipe: invalid value for {key}: it cannot be null; give {key}=<{kind}>{was}."
     first = " ".join(line.strip() for line in msg.splitlines() if line.strip() and not line.strip().startswith(
         ("full_key", "object_type", "reference_type")))
     if m:
         return f"specpipe: invalid value for {m.group(1)}: {first}."
     return f"specpipe: invalid override: {first}"
+
+
+def default_value(key: str, overrides: list[str]):
+    """`key`'s value when composed with `overrides` (the groups chosen), or None when that fails."""
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.select(compose_config(overrides), key, default=None)
+    except Exception:
+        return None
 
 
 def valid_keys(dotted: str) -> list[str]:

@@ -6,6 +6,7 @@ device backend: targets are qualnames resolved only when `build()` runs.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -230,14 +231,14 @@ SAMPLING_RULES = {
 
 
 def is_int(v) -> bool:
-    """A JSON / Python integer (not a bool)."""
-    return isinstance(v, int) and not isinstance(v, bool)
+    """A JSON / Python integer, numpy's and torch's scalar integers included (not a bool)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def sampling_problem(key: str, v) -> Optional[str]:
     """Why `v` is not a usable `key` ("must be a number >= 0 (0 is greedy)", ...), or None."""
     integer, ok, words = SAMPLING_RULES[key]
-    typed = is_int(v) or (not integer and isinstance(v, float))
+    typed = is_int(v) or (not integer and isinstance(v, numbers.Real) and not isinstance(v, bool))
     if typed and ok(v):
         return None
     return f"must be {'an integer' if integer else 'a number'} {words}"

@@ -191,7 +191,7 @@ def validate(cfg: DictConfig) -> None:
     ps = a.page_size
     ps_ok = ps >= 1 and not ps & (ps - 1)
     if not ps_ok:
-        errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, ..., 64)")
+        errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, 8, 16, ...)")
     elif a.num_slots is not None and a.num_slots < 1:
         errors.append(f"allocator.num_slots={a.num_slots} must be positive (or null: sized for the workload)")
     elif a.num_slots is not None:

@@ -108,16 +108,17 @@ def parse_prompt_line(obj, where) -> dict:
     extra = {}  # what the request takes besides its prompt
     d = obj
     if d.get("seed") is not None:
-        if not is_int(d["seed"]):
-            return {"error": f'{n}: "seed" must be an integer, got {d["seed"]!r}', "prompt": ""}
-        extra["seed"] = d["seed"]
+        if not is_int(d["seed"]) or not 0 <= d["seed"] <= 2 ** 63 - 1:  # torch's generator seeds are 64-bit
+            return {"error": f'{n}: "seed" must be an integer between 0 and 2**63-1, got {d["seed"]!r}',
+                    "prompt": ""}
+        extra["seed"] = int(d["seed"])
     own = {}  # this request's sampling, where it sets some (the run's sampling.* fills the rest)
     for key in SAMPLING_RULES:
         if d.get(key) is not None:
             why = sampling_problem(key, d[key])
             if why:
                 return {"error": f'{n}: "{key}" {why}, got {d[key]!r}', "prompt": ""}
-            own[key] = d[key] if key == "top_k" else float(d[key])
+            own[key] = int(d[key]) if key == "top_k" else float(d[key])
     if own:
         extra["sampling"] = own
     for key in ("max_new_tokens", "max_tokens"):  # this request's own limit (<= the run's); OpenAI's name too
@@ -127,7 +128,7 @@ def parse_prompt_line(obj, where) -> dict:
                 return {"error": f'{n}: "{key}" must be an integer >= 1, got {m!r}', "prompt": ""}
             if extra.get("max_new_tokens", m) != m:
                 return {"error": f'{n}: "max_new_tokens" and "max_tokens" disagree; give one', "prompt": ""}
-            extra["max_new_tokens"] = m
+            extra["max_new_tokens"] = int(m)
     if "stop" in d:
         why = check_stop(d["stop"])
         if why:
@@ -138,7 +139,7 @@ def parse_prompt_line(obj, where) -> dict:
             ids = obj["prompt_ids"]
             if not isinstance(ids, list) or not all(map(is_int, ids)):
                 return {"error": f'{n}: "prompt_ids" must be a list of integers', "prompt": ""}
-            return {"prompt": "", "prompt_ids": ids, **extra}
+            return {"prompt": "", "prompt_ids": [int(t) for t in ids], **extra}
         if "messages" in obj:
             why = check_messages(obj["messages"]) or check_chat_options(obj)
             if why:
@@ -185,6 +186,7 @@ def read_prompts_file(path: str) -> list[dict]:
         raise InputError(f"workload.prompts_file={path!r} cannot be read ({e.strerror}); give a readable "
                          "JSON-lines file") from None
     items, not_json = [], 0
+    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors save one)
     for n, line in enumerate(raw.split(b"\n"), 1):
         if not line.strip():
             continue

@@ -70,6 +70,24 @@ def test_model_dependent_refusals_come_from_the_constructor(overrides, fragment)
         SpecPipe(*overrides)
 
 
+def test_numpy_and_torch_values_are_numbers_too():
+    """Ids and settings often come out of numpy or torch: their scalars and 1-D arrays are accepted (they were
+    refused as "not a list of integers" / "not an integer")."""
+    import numpy as np
+    import torch
+
+    sp = SpecPipe("model=random_tiny", "draft=none")
+    plain = sp.generate([[5, 6, 7], "x"], max_new_tokens=4)
+    out = sp.generate([np.array([5, 6, 7]), torch.tensor([5, 6, 7]), [np.int64(5), np.int32(6), 7],
+                       {"prompt": "x", "seed": np.int64(1)}], max_new_tokens=np.int64(4),
+                      temperature=np.float32(0.0), top_k=np.int64(5))  # greedy: equal outputs
+    assert [o.error for o in out] == [None] * 4
+    assert out[0].output_ids == out[1].output_ids == out[2].output_ids == plain[0].output_ids
+    assert all(type(t) is int for o in out for t in o.output_ids)
+    with pytest.raises(SpecpipeError, match="on_event=5 must be a function"):
+        sp.generate(["x"], on_event=5)
+
+
 def test_bad_generate_arguments():
     sp = SpecPipe("model=random_tiny")
     with pytest.raises(SpecpipeError, match="max_new_tokens=0 must be an integer >= 1"):

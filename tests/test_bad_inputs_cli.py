@@ -93,6 +93,10 @@ CASES = [
     (["allocator.num_slots=1000000000000000"], "the KV cache does not fit in cpu memory (an allocation of", False),
     (["draft=standalone", "model=hf", "model.path=/nonexistent/model"], "/nonexistent/model", False),
     (["model=hf", "model.path="], "model.path is empty; give a model folder", True),
+    (["model_timing=null"], "model_timing: it cannot be null; give model_timing=<true or false> (its default is true)",
+     True),
+    (["workload.ignore_eos=maybe"], "'maybe' is not true or false; give workload.ignore_eos=true or", True),
+    (["allocator=paged", "allocator.page_size=48"], "must be a power of two (1, 2, 4, 8, 16, ...)", True),
 ]
 
 

@@ -57,6 +57,20 @@ def test_text_that_is_not_unicode_fails_only_its_request(tmp_path, pair):
     assert out["metrics"]["kv_leaked_slots"] == 0
 
 
+def test_prompt_file_details(tmp_path):
+    """A byte-order mark does not cost the first prompt; a prompt's seed has the top-level seed's range (out of
+    it, torch wrapped it modulo 2**64, so different seeds gave the same coins)."""
+    from specpipe.workload import read_prompts_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b", "seed": -1}\n{"prompt": "c", "seed": 9223372036854775808}\n'
+                     b'{"prompt": "d", "seed": 9223372036854775807}\n')
+    items = read_prompts_file(str(path))
+    assert items[0] == {"prompt": "a"} and items[3] == {"prompt": "d", "seed": 2 ** 63 - 1}
+    for i, v in ((1, "-1"), (2, "9223372036854775808")):
+        assert items[i]["error"] == f'line {i + 1}: "seed" must be an integer between 0 and 2**63-1, got {v}'
+
+
 def mixed_prompts(n, seed=0):
     rng = random.Random(seed)
     return [{"prompt": "".join(rng.choice("abcdefgh ()=:") for _ in range(rng.randint(1, 40)))} for _ in range(n)]
