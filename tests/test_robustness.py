@@ -191,7 +191,7 @@ def test_per_request_max_new_tokens(tmp_path, pair):
     assert "max_new_tokens=50 is above the run's workload.max_new_tokens=8" in reqs[2].error
     assert '"max_new_tokens" must be an integer >= 1, got \'many\'' in reqs[3].error
     assert len(reqs[4].output_ids) == 1 and reqs[4].finish_reason == "length"
-    assert '"seed" must be an integer, got \'7\'' in reqs[5].error  # not silently ignored
+    assert '"seed" must be an integer between 0 and 2**63-1, got \'7\'' in reqs[5].error  # not silently ignored
     assert reqs[6].max_new_tokens == 5 and reqs[6].error is None  # OpenAI's "max_tokens"
     assert reqs[7].error is None and reqs[7].sampling == (0.7, 1.0, 0, 1.0)  # its own temperature, the run's rest
 
