@@ -47,7 +47,9 @@ class EagleProposer:
         when the target's prefill ran packed."""
         ids = pf.ids
         ids_d = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1).scatter(1, pf.last[:, None], first[:, None])
-        if pf.packed_for(self.head):
+        # packed, the prompts are segments of one row while `pf.ends` has one entry per prompt; a compiled or
+        # graphed extend takes the padded form, whose inputs all have one row per prompt (one batch size)
+        if pf.packed_for(self.head) and "extend" not in getattr(self.draft_fwd, "wrapped", ()):
             p, idx, h = self.draft_fwd.extend(ids_d.reshape(1, -1)[:, pf.flat], pf.packed_hidden, pf.packed, pf.ends)
         else:
             p, idx, h = self.draft_fwd.extend(ids_d, pf.hidden, pf.batch, pf.last)

@@ -25,7 +25,8 @@ AOT_FULL = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
     ["compile=split"],  # the preset itself, inductor
     ["compile=whole", f"compile.draft_topk.later={AOT}"],  # fused: one graph per step kind (0, 1, >= 2)
     ["compile=split", f"compile.draft_topk.later={AOT}", "draft.topk=1", "draft.num_draft_tokens=4"],  # K == 1
-    [f"compile.verify.target_forward={AOT_FULL}", f"compile.draft_forward.decode={AOT_FULL}"],  # model forwards
+    [f"compile.verify.target_forward={AOT_FULL}", f"compile.draft_forward.decode={AOT_FULL}",
+     f"compile.draft_forward.extend={AOT_FULL}"],  # model forwards (extend: packed prefills take the padded form)
 ], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager"])
 def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):
     rng = random.Random(0)
@@ -41,3 +42,19 @@ def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, mo
     assert {1, 2, 3, 4} <= set(after), f"batch composition did not vary enough: {sorted(set(after))}"
     new = graphs[-1] - graphs[WARMUP_STEPS - 1]
     assert new == 0, f"{new} graph(s) compiled after warm-up; batch sizes per step: {sizes}"
+
+
+def test_compiled_draft_extend_decodes_like_eager(prompts_file):
+    """A compiled draft extend over a join of prompts of different lengths (which eager runs packed, as one row
+    of segments with one newest position per prompt: inputs of two batch sizes, which crashed Dynamo's shared
+    batch symbol) gives the eager run's tokens."""
+    from specpipe.app import run
+
+    rng = random.Random(1)
+    path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS[:6]])
+    base = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", "workload.batch_size=3",
+            "workload.max_new_tokens=12"]
+    eager = run(compose(*base), quiet=True)["requests"]
+    compiled = run(compose(*base, f"compile.draft_forward.extend={AOT_FULL}"), quiet=True)["requests"]
+    assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
+    assert all(r.finish_reason == "length" for r in compiled)

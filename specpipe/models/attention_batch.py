@@ -147,6 +147,8 @@ def extend_batch(
     end = starts + lens  # [B]
     k_valid = k_idx[None, :] < end[:, None]  # [B, Lkv]
     kv_slots = torch.where(k_valid, table[:, kv_cols], torch.zeros((), dtype=table.dtype, device=dev))
-    kv_positions = k_idx[None, :].expand(rows.shape[0], kv_len)
+    # stride 0 on the batch dim whatever B is (expand gives a size-1 dim a stride of kv_len): a compiled branch
+    # guards strides, so B == 1 would otherwise get a graph of its own
+    kv_positions = k_idx.as_strided((rows.shape[0], kv_len), (0, 1))
     return AttentionBatch(positions, out_slots, kv_slots, None, kv_positions, causal=(q_valid, k_valid),
                           table_columns=True)

@@ -23,5 +23,10 @@ class Stage:
         return sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "__specpipe_branch__", False))
 
     def bind(self, wrap: Callable[[str, str, Callable], Callable]) -> None:
+        self.wrapped = set()  # branches that no longer run as plain eager Python (compiled, graphed, timed)
         for b in self.branch_names():
-            setattr(self, b, wrap(self.name, b, getattr(self, b)))
+            fn = getattr(self, b)
+            out = wrap(self.name, b, fn)
+            if out is not fn:
+                self.wrapped.add(b)
+            setattr(self, b, out)
