@@ -9,6 +9,20 @@ from omegaconf import DictConfig
 from specpipe.schema import register_schemas
 
 
+RUNNING: dict = {}  # the in-process sweep's current job: num, dir, sweep_dir
+
+
+def interrupted_sweep() -> str:
+    """One paragraph for Ctrl-C during a sweep: what stopped, what is kept, how to go on."""
+    if RUNNING:
+        where = f" in job {RUNNING['num']} ({RUNNING['dir']})"
+        again = f"resume=true hydra.sweep.dir={RUNNING['sweep_dir']}"
+    else:  # a launcher's worker processes run the jobs
+        where, again = "", "resume=true and hydra.sweep.dir set to this sweep's folder"
+    return (f"specpipe: sweep interrupted{where}; finished jobs keep their files (the interrupted one has no "
+            f"metrics.json); run the same command again with {again} to skip the finished jobs and go on")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
@@ -29,6 +43,8 @@ def hydra_main(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     multirun = hc.mode.name == "MULTIRUN"
     out_dir = hc.runtime.output_dir
+    if multirun:  # which job a Ctrl-C stops (main() says so)
+        RUNNING.update(num=hc.job.num, dir=out_dir, sweep_dir=hc.sweep.dir)
     done = finished_metrics(cfg, out_dir) if cfg.resume else None
     if done is not None:  # resume=true: this job finished in an earlier run of the same sweep dir
         print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)
@@ -61,7 +77,7 @@ def hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     register_schemas()
-    from specpipe.cli_errors import expand_home, precheck, usage
+    from specpipe.cli_errors import expand_home, precheck, split_args, usage
 
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(usage())
@@ -72,7 +88,12 @@ def main() -> None:
     if err:
         print(err, file=sys.stderr)
         sys.exit(2)
-    hydra_main()
+    try:
+        hydra_main()
+    except KeyboardInterrupt:  # a single run handles its own; this is a sweep, or before any job ran
+        multirun = split_args(sys.argv[1:])[1]
+        print(interrupted_sweep() if multirun else "specpipe: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

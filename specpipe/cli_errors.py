@@ -250,6 +250,11 @@ def precheck(argv: list[str]) -> Optional[str]:
         if key in ("hydra.run.dir", "hydra.sweep.dir") and value and Path(value).exists() and not Path(value).is_dir():
             return (f"specpipe: invalid configuration: {key}={value!r} is a file, not a folder; outputs need a "
                     f"folder (a new or existing one)")
+    launcher = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra/launcher=")), "basic")
+    if multirun and launcher != "basic" and any(o.lstrip("+") == "workload.prompts_file=-" for o in overrides):
+        return (f"specpipe: invalid configuration: workload.prompts_file=- (standard input) reaches only this "
+                f"process, and hydra/launcher={launcher} runs the jobs in other processes; write the prompts to a "
+                f"file (workload.prompts_file=prompts.jsonl), or use the default in-process launcher")
     own = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
         combos = expand(own) if multirun else [own]

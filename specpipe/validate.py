@@ -192,6 +192,10 @@ def validate(cfg: DictConfig) -> None:
     ps_ok = ps >= 1 and not ps & (ps - 1)
     if not ps_ok:
         errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, 8, 16, ...)")
+    elif ps != 1 and str(a.get("_target_", "")).endswith(".TokenAllocator"):
+        ps_ok = False
+        errors.append(f"allocator.page_size={ps}: the token allocator has page size 1 (every slot on its own); use "
+                      f"allocator=paged allocator.page_size={ps} for pages of {ps} slots")
     elif a.num_slots is not None and a.num_slots < 1:
         errors.append(f"allocator.num_slots={a.num_slots} must be positive (or null: sized for the workload)")
     elif a.num_slots is not None:

@@ -97,6 +97,7 @@ CASES = [
      True),
     (["workload.ignore_eos=maybe"], "'maybe' is not true or false; give workload.ignore_eos=true or", True),
     (["allocator=paged", "allocator.page_size=48"], "must be a power of two (1, 2, 4, 8, 16, ...)", True),
+    (["allocator.page_size=2"], "the token allocator has page size 1 (every slot on its own); use allocator=paged", True),
 ]
 
 
@@ -172,6 +173,10 @@ def test_prompts_from_standard_input(tmp_path):
     assert [r["prompt"] for r in recs] == ["def f(x):", ""] and all(len(r["output_ids"]) == 4 for r in recs)
     empty = subprocess.run(args, cwd=tmp_path, env=env, input="", capture_output=True, text=True, timeout=300)
     assert empty.returncode == 2 and "standard input held no prompts" in empty.stderr
+    # a launcher's worker processes never see this process's standard input (each job said it "held no prompts")
+    msg = precheck(["-m", "hydra/launcher=joblib", *SMALL, "workload.prompts_file=-", "draft=none,eagle"])
+    assert "workload.prompts_file=- (standard input) reaches only this process, and hydra/launcher=joblib" in msg
+    assert precheck(["-m", *SMALL, "workload.prompts_file=-", "draft=none,eagle"]) is None  # in-process: fine
 
 
 def test_home_folder_paths_expand(tmp_path, monkeypatch):
