@@ -114,9 +114,25 @@ def varied_keys(jobs: list[Job]) -> tuple[list[str], dict[str, str]]:
     return varied, fixed
 
 
+def request_failures(metrics: Optional[dict]) -> str:
+    """"N of M requests failed: <the first one's error>" for a finished job that lost requests, else ""."""
+    m = metrics or {}
+    n = m.get("num_errors") or 0
+    if not is_number(n) or n <= 0:
+        return ""
+    first = (m.get("request_errors") or [{}])[0]
+    first = first.get("error", "") if isinstance(first, dict) else ""
+    return f"{n} of {m.get('num_requests', '?')} requests failed" + (f": {first}" if first else "")
+
+
 def best_job(jobs: list[Job]) -> Job:
-    """The job the sweeper would pick: most tokens/s, and within latency_limit_ms where one was set."""
-    return max((j for j in jobs if j.tps is not None), key=lambda j: objective(j.metrics, j.limit))
+    """The job the sweeper would pick: the fewest failed requests (a job that lost some did less work, so its
+    tokens/s flatters it), then most tokens/s, within latency_limit_ms where one was set."""
+    def lost(j: Job) -> float:
+        n = (j.metrics or {}).get("num_errors") or 0
+        return float(n) if is_number(n) else 0.0
+
+    return max((j for j in jobs if j.tps is not None), key=lambda j: (-lost(j), objective(j.metrics, j.limit)))
 
 
 def sort_jobs(jobs: list[Job]) -> list[Job]:
@@ -141,7 +157,7 @@ def rows(jobs: list[Job], varied: list[str]) -> tuple[list[str], list[list]]:
         m = j.metrics or {}
         ok = [{True: "yes", False: "no"}.get(j.within_limit, "")] if limited else []
         out.append([j.name, *(j.overrides.get(k, "") for k in varied), *(m.get(k) for k in METRICS), *ok,
-                    j.error or ""])
+                    j.error or request_failures(j.metrics)])
     return header, out
 
 

@@ -128,3 +128,18 @@ def test_latency_limited_sweep_picks_the_fastest_job_within_the_limit(tmp_path):
     assert [r["job"] for r in table] == ["1", "2", "0", "3", "10"]  # still sorted by tokens/s
     assert [r["within_latency_limit"] for r in table] == ["no", "no", "yes", "", ""]
     assert "Best: job 0 (draft.topk=1 draft.num_steps=3), 310.0 tokens/s" in (sweep / "report.md").read_text()
+
+
+def test_a_job_that_lost_requests_says_so_and_is_not_best(tmp_path):
+    """A job whose requests failed did less work, so its tokens/s flatters it: the error cell says how many of
+    them failed and why, and Best goes to the fastest job that lost none."""
+    sweep = make_sweep(tmp_path / "sweep")
+    m = json.loads((sweep / "1" / "metrics.json").read_text())  # the fastest job
+    m.update(num_requests=4, num_errors=3, request_errors=[{"index": 1, "error": "the KV pool (50 slots) is small"}])
+    (sweep / "1" / "metrics.json").write_text(json.dumps(m))
+    main([str(sweep), "--out", str(tmp_path / "out")])
+    with open(tmp_path / "out" / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert table["1"]["error"] == "3 of 4 requests failed: the KV pool (50 slots) is small"
+    assert table["2"]["error"] == ""
+    assert "Best: job 2 (draft.topk=4 draft.num_steps=3), 402.2 tokens/s" in (tmp_path / "out" / "report.md").read_text()

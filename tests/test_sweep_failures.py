@@ -97,3 +97,17 @@ def test_failure_summary_counts_only_the_jobs_of_this_sweep(tmp_path):
     assert f"    {tmp_path / '1' / 'error.json'}\n" in text
     assert "job 2 (draft.topk=2): unfinished: no metrics.json" in text
     assert "job 0" not in text and "job 3" not in text and "earlier, longer" not in text
+
+
+def test_a_job_whose_every_request_failed_is_a_failed_point(tmp_path):
+    """As a single run with every request failed exits 1, such a sweep job is listed among the failures (the
+    sweep exits 1) and returns NaN to the sweeper, not a 0.0 tokens/s success."""
+    sweep = tmp_path / "sweep"
+    p = sweep_cmd("-m", "allocator.num_slots=50,null", "workload.max_new_tokens=24", "model=random_tiny",
+                  "workload.num_prompts=2", f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 1, p.stderr
+    err = json.loads((sweep / "0" / "error.json").read_text())
+    assert err["crash"] is False and err["error"].startswith("every request failed (2 of 2; the first: the KV pool")
+    assert json.loads((sweep / "1" / "metrics.json").read_text())["num_errors"] == 0
+    summary = p.stderr[p.stderr.index("1 of 2 jobs failed"):]
+    assert "job 0 (allocator.num_slots=50): every request failed" in summary and "job 1" not in summary
