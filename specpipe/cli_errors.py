@@ -92,6 +92,12 @@ def reword(exc: Exception, overrides: list[str]) -> str:
         full = next((k for k in keys if k == key), None) or next((k for k in keys if k.endswith("." + key)), key)
         valid = valid_keys(full)
         hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
+        group = full.split(".")[0]
+        chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == group), None)
+        if chosen is not None and "." in full:  # the key belongs to other options of the group (a sweep's point)
+            return (f"specpipe: invalid override: '{full}' is not a setting of {group}={chosen}{hint}; in a sweep every "
+                    f"point gets every override, so sweep the {group} options that take it in a command of their "
+                    f"own. `python -m specpipe --cfg job {group}={chosen}` shows its keys.")
         return (f"specpipe: invalid override: '{full}' is not a configuration key{hint}. "
                 f"Use `python -m specpipe --cfg job` to see every key.")
     if "Cannot merge" in msg:  # a {dict} or [list] where the schema has the other (or a scalar)

@@ -97,6 +97,7 @@ CASES = [
      True),
     (["workload.ignore_eos=maybe"], "'maybe' is not true or false; give workload.ignore_eos=true or", True),
     (["allocator=paged", "allocator.page_size=48"], "must be a power of two (1, 2, 4, 8, 16, ...)", True),
+    (["allocator=token", "allocator.window=64"], "'allocator.window' is not a setting of allocator=token (valid keys", True),
     (["allocator.page_size=2"], "the token allocator has page size 1 (every slot on its own); use allocator=paged", True),
 ]
 
@@ -196,3 +197,9 @@ def test_home_folder_paths_expand(tmp_path, monkeypatch):
     assert cfg.model.path == str(tmp_path / "m") and cfg.workload.prompts_file == str(tmp_path / "p.jsonl")
     out = SpecPipe("model=hf", "model.path=~/m", "draft=none").generate(["def f():"], max_new_tokens=3)
     assert out[0].finish_reason == "length" and len(out[0].output_ids) == 3
+
+
+def test_a_sweep_over_options_that_do_not_share_a_key_says_so():
+    msg = precheck(["-m", *SMALL, "allocator=token,hisparse", "allocator.host_to_device_ratio=2"])
+    assert "'allocator.host_to_device_ratio' is not a setting of allocator=token" in msg
+    assert "sweep the allocator options that take it in a command of their own" in msg
