@@ -67,6 +67,24 @@ def _overrides(job_dir: Path) -> dict[str, str]:
     return out
 
 
+def ran_with(job_dir: Path, key: str) -> str:
+    """The value `key` had in a job that did not override it (its default, or a preset's): the group choice
+    from .hydra/hydra.yaml, else the value in .hydra/config.yaml; "" when neither says."""
+    try:
+        hydra_cfg = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text()) or {}
+        choice = ((hydra_cfg.get("hydra") or {}).get("runtime") or {}).get("choices", {}).get(key)
+        if choice is not None:
+            return str(choice)
+        node = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
+        for part in key.split("."):
+            node = node[part]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return ""
+    if isinstance(node, (dict, list)):
+        return ""
+    return "null" if node is None else str(node).lower() if isinstance(node, bool) else str(node)
+
+
 def find_jobs(sweep_dir: Path) -> list[Job]:
     """Every job dir under sweep_dir: one that has metrics.json, error.json or .hydra/overrides.yaml."""
     dirs = {p.parent for p in sweep_dir.rglob("metrics.json")} | {p.parent for p in sweep_dir.rglob("error.json")}
@@ -75,6 +93,13 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
     for d in sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir)))):
         metrics, err = job_state(d)
         jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", _overrides(d), metrics, err))
+    keys = {k for j in jobs for k in j.overrides}
+    for j, d in zip(jobs, sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir))))):
+        for k in keys - set(j.overrides):  # a job that left a swept key at its default shows what it ran with
+            if not k.startswith("hydra"):
+                value = ran_with(d, k)
+                if value:
+                    j.overrides[k] = value
     return jobs
 
 
@@ -318,14 +343,15 @@ def failure_summary(sweep_dir: Path, since: float) -> Optional[str]:
             failed.append((j, UNFINISHED if has_error else j.error, f"{d} (no error.json from this sweep)"))
     if not failed:
         return None
+    tabulate = (f"The other jobs' results are in {sweep_dir}: `python -m specpipe.report {sweep_dir}` tabulates them."
+                if any(j.metrics is not None for j in jobs) else "No job finished, so there is nothing to tabulate.")
     varied, _ = varied_keys(jobs)
     lines = [f"specpipe: {len(failed)} of {len(jobs)} jobs failed:"]
     for j, message, where in failed:
         shown = " ".join(f"{k}={j.overrides[k]}" for k in varied if k in j.overrides)
         lines.append(f"  job {j.name}" + (f" ({shown})" if shown else "") + f": {_one_line(message)}")
         lines.append(f"    {where}")
-    lines.append(f"Each error.json says why (a crash's holds its traceback). The other jobs' results are in "
-                 f"{sweep_dir}: `python -m specpipe.report {sweep_dir}` tabulates them. To run only the failed "
+    lines.append(f"Each error.json says why (a crash's holds its traceback). {tabulate} To run only the failed "
                  f"jobs again, repeat the command with resume=true (and hydra.sweep.dir={sweep_dir} if it did not "
                  "set one).")
     return "\n".join(lines)

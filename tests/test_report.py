@@ -143,3 +143,24 @@ def test_a_job_that_lost_requests_says_so_and_is_not_best(tmp_path):
     assert table["1"]["error"] == "3 of 4 requests failed: the KV pool (50 slots) is small"
     assert table["2"]["error"] == ""
     assert "Best: job 2 (draft.topk=4 draft.num_steps=3), 402.2 tokens/s" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_a_job_that_left_a_swept_key_at_its_default_shows_that_value(tmp_path):
+    """Jobs with different override lists (a resumed sweep, hand-made dirs): a job without the override shows
+    the value it ran with (the group choice from hydra.yaml, a setting from config.yaml), not an empty cell."""
+    sweep = tmp_path / "sweep"
+    for name, overrides, tps in (("0", ["draft.topk=2"], 5.0), ("1", ["draft.topk=4", "allocator=paged",
+                                                                      "draft.num_steps=7"], 6.0)):
+        d = sweep / name / ".hydra"
+        d.mkdir(parents=True)
+        (d / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        (d / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      allocator: token\n      draft: eagle\n")
+        (d / "config.yaml").write_text("draft:\n  topk: 2\n  num_steps: 3\nallocator:\n  page_size: 1\n")
+        (sweep / name / "metrics.json").write_text(json.dumps({
+            "tokens_per_s": tps, "accept_length_mean": 2.0, "step_latency_ms_p90": 1.0, "num_verify_steps": 3,
+            "recompiles": 0, "wall_s": 0.1}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert table["0"]["allocator"] == "token" and table["0"]["draft.num_steps"] == "3"
+    assert table["1"]["allocator"] == "paged" and table["1"]["draft.num_steps"] == "7"
