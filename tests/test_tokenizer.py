@@ -156,17 +156,9 @@ def test_stream_deltas_add_up_to_the_text_read_after_the_prompt(sp):
     assert all("\ufffd" not in e.text for e in events)
 
 
-@pytest.mark.parametrize("cut", [1, 2, 4])
-def test_a_prompt_that_ends_inside_a_character(cut):
-    """Prompt ids may stop inside a UTF-8 character that the output completes: the character is the output's,
-    in its text and in its stream (which once dropped it, then re-sent text at the end)."""
+def stream_events(tok, prompt: list, out: list) -> list:
+    """The StreamEvents of one request whose output grows a token at a time (the last one finishes it)."""
     from specpipe.api import _Deltas
-
-    tok = ByteTokenizer()
-    whole = tok.encode("东京 cat😀 sat")
-    prompt, out = whole[:cut], whole[cut:]
-    text = output_text(tok, prompt, out)
-    assert text == ("东京 cat😀 sat" if cut < 3 else "京 cat😀 sat")
 
     class Req:
         index, error, logprobs = 0, None, None
@@ -180,6 +172,20 @@ def test_a_prompt_that_ends_inside_a_character(cut):
     deltas = _Deltas(tok.decode, events.append)
     for n in range(1, len(out) + 1):
         deltas([Req(out[:n], n == len(out))])
+    return events
+
+
+@pytest.mark.parametrize("cut", [1, 2, 4])
+def test_a_prompt_that_ends_inside_a_character(cut):
+    """Prompt ids may stop inside a UTF-8 character that the output completes: the character is the output's,
+    in its text and in its stream (which once dropped it, then re-sent text at the end)."""
+    tok = ByteTokenizer()
+    whole = tok.encode("东京 cat😀 sat")
+    prompt, out = whole[:cut], whole[cut:]
+    text = output_text(tok, prompt, out)
+    assert text == ("东京 cat😀 sat" if cut < 3 else "京 cat😀 sat")
+
+    events = stream_events(tok, prompt, out)
     assert "".join(e.text for e in events) == text and all("\ufffd" not in e.text for e in events)
 
 
@@ -187,8 +193,6 @@ def test_a_prompt_that_ends_inside_a_character(cut):
 def test_a_character_the_output_leaves_unfinished_stays_the_prompts(cut):
     """Prompt ids that stop inside a character the output does not complete: the prompt's text holds its
     U+FFFD, the output's text (and stream) does not, and a request with no output ids has no text."""
-    from specpipe.api import _Deltas
-
     tok = ByteTokenizer()
     prompt = tok.encode("东京")[:cut]
     out = tok.encode(" cat sat")
@@ -196,18 +200,7 @@ def test_a_character_the_output_leaves_unfinished_stays_the_prompts(cut):
     text = output_text(tok, prompt, out)
     assert text == " cat sat" and output_text(tok, prompt, []) == ""
 
-    class Req:
-        index, error, logprobs = 0, None, None
-
-        def __init__(self, output_ids, last):
-            self.prompt_ids, self.output_ids = prompt, output_ids
-            self.finish_reason = "length" if last else None
-            self.finished = last
-
-    events = []
-    deltas = _Deltas(tok.decode, events.append)
-    for n in range(1, len(out) + 1):
-        deltas([Req(out[:n], n == len(out))])
+    events = stream_events(tok, prompt, out)
     assert events[0].text == " " and "".join(e.text for e in events) == text
 
 
