@@ -68,13 +68,14 @@ def hydra_main(cfg: DictConfig) -> float:
         sys.exit(e.exit_code)
     clear_error(out_dir)
     m = result["metrics"]
-    if multirun and m["num_requests"] and m["num_errors"] == m["num_requests"]:  # a failed point, as a single run
+    all_failed = m["num_requests"] and m["num_errors"] == m["num_requests"]
+    if all_failed and multirun:  # a failed point, as a single run is
         first = (m.get("request_errors") or [{}])[0].get("error", "")
         msg = f"every request failed ({m['num_errors']} of {m['num_requests']}; the first: {first})"
         print(f"specpipe: job {hc.job.num}: {msg}", file=sys.stderr)
         write_error(out_dir, msg)
         return float("nan")
-    if not multirun and m["num_requests"] and m["num_errors"] == m["num_requests"]:
+    if all_failed:
         print(f"specpipe: every request failed ({m['num_errors']} of {m['num_requests']}; the reasons are listed "
               "above and in completions.jsonl)", file=sys.stderr)
         sys.exit(1)

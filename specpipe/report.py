@@ -89,12 +89,13 @@ def find_jobs(sweep_dir: Path) -> list[Job]:
     """Every job dir under sweep_dir: one that has metrics.json, error.json or .hydra/overrides.yaml."""
     dirs = {p.parent for p in sweep_dir.rglob("metrics.json")} | {p.parent for p in sweep_dir.rglob("error.json")}
     dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
+    dirs = sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir))))
     jobs = []
-    for d in sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir)))):
+    for d in dirs:
         metrics, err = job_state(d)
         jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", _overrides(d), metrics, err))
     keys = {k for j in jobs for k in j.overrides}
-    for j, d in zip(jobs, sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir))))):
+    for j, d in zip(jobs, dirs):
         for k in keys - set(j.overrides):  # a job that left a swept key at its default shows what it ran with
             if not k.startswith("hydra"):
                 value = ran_with(d, k)
@@ -139,11 +140,17 @@ def varied_keys(jobs: list[Job]) -> tuple[list[str], dict[str, str]]:
     return varied, fixed
 
 
+def lost_requests(metrics: Optional[dict]) -> float:
+    """How many of a finished job's requests failed (0 when metrics.json does not say)."""
+    n = (metrics or {}).get("num_errors") or 0
+    return float(n) if is_number(n) else 0.0
+
+
 def request_failures(metrics: Optional[dict]) -> str:
     """"N of M requests failed: <the first one's error>" for a finished job that lost requests, else ""."""
     m = metrics or {}
-    n = m.get("num_errors") or 0
-    if not is_number(n) or n <= 0:
+    n = m.get("num_errors")
+    if lost_requests(m) <= 0:
         return ""
     first = (m.get("request_errors") or [{}])[0]
     first = first.get("error", "") if isinstance(first, dict) else ""
@@ -153,11 +160,8 @@ def request_failures(metrics: Optional[dict]) -> str:
 def best_job(jobs: list[Job]) -> Job:
     """The job the sweeper would pick: the fewest failed requests (a job that lost some did less work, so its
     tokens/s flatters it), then most tokens/s, within latency_limit_ms where one was set."""
-    def lost(j: Job) -> float:
-        n = (j.metrics or {}).get("num_errors") or 0
-        return float(n) if is_number(n) else 0.0
-
-    return max((j for j in jobs if j.tps is not None), key=lambda j: (-lost(j), objective(j.metrics, j.limit)))
+    return max((j for j in jobs if j.tps is not None),
+               key=lambda j: (-lost_requests(j.metrics), objective(j.metrics, j.limit)))
 
 
 def sort_jobs(jobs: list[Job]) -> list[Job]:
