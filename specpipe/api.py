@@ -217,7 +217,7 @@ def prompt_item(p: Any, n: int) -> dict:
 
     if isinstance(p, str):
         why = not_unicode(p)
-        return {"prompt": p} if why is None else {"error": f"prompt {n}: {why}", "prompt": ""}
+        return {"prompt": p, "where": f"prompt {n}"} if why is None else {"error": f"prompt {n}: {why}", "prompt": ""}
     if hasattr(p, "tolist") and getattr(p, "ndim", None) == 1:  # a numpy array or torch tensor of ids
         p = p.tolist()
     if isinstance(p, (list, tuple)):

@@ -151,6 +151,9 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             r.stop_strings = StopStrings(stops, tokenizer.decode, [i for i in map(special, stops) if i is not None],
                                          prompt_context(tokenizer.decode, r.prompt_ids),
                                          silent_ids=getattr(tokenizer, "special_ids", ()))
+    for r, it in zip(reqs, items):  # an error found here names the prompt as the parse errors do ("line 3: ...")
+        if r.error and "error" not in it and it.get("where"):
+            r.error = f"{it['where']}: {r.error}"
     return reqs
 
 

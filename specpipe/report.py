@@ -63,7 +63,8 @@ def _overrides(job_dir: Path) -> dict[str, str]:
     out = {}
     for item in items:
         key, _, value = str(item).partition("=")
-        out[key.lstrip("+~")] = value
+        if key.lstrip("+~") != "resume":  # how the job was launched, not what it ran; a resumed sweep has it everywhere
+            out[key.lstrip("+~")] = value
     return out
 
 

@@ -87,7 +87,8 @@ def parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
     "max_new_tokens" (or "max_tokens"), "stop", "temperature", "top_p", "top_k"; or its error.
 
-    `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3")."""
+    `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3"); a good
+    item keeps that name as "where", for the errors found once it is tokenized."""
     n = where if isinstance(where, str) else f"line {where}"
     for k, (neutral, instead) in UNSUPPORTED_FIELDS.items():
         if isinstance(obj, dict) and k in obj and not any(type(obj[k]) is type(v) and obj[k] == v for v in neutral):
@@ -139,13 +140,13 @@ def parse_prompt_line(obj, where) -> dict:
             ids = obj["prompt_ids"]
             if not isinstance(ids, list) or not all(map(is_int, ids)):
                 return {"error": f'{n}: "prompt_ids" must be a list of integers', "prompt": ""}
-            return {"prompt": "", "prompt_ids": [int(t) for t in ids], **extra}
+            return {"prompt": "", "prompt_ids": [int(t) for t in ids], **extra, "where": n}
         if "messages" in obj:
             why = check_messages(obj["messages"]) or check_chat_options(obj)
             if why:
                 return {"error": f"{n}: {why}", "prompt": ""}
             chat = {k: obj[k] for k in CHAT_FIELDS if obj.get(k) is not None}
-            return {"prompt": "", "messages": obj["messages"], **({"chat": chat} if chat else {}), **extra}
+            return {"prompt": "", "messages": obj["messages"], **({"chat": chat} if chat else {}), **extra, "where": n}
     stray = [k for k in CHAT_FIELDS if k in obj]
     if stray:
         return {"error": f'{n}: "{stray[0]}" goes with "messages" (a chat), not with a plain prompt', "prompt": ""}
@@ -153,7 +154,7 @@ def parse_prompt_line(obj, where) -> dict:
         return {"error": f'{n}: missing the "prompt" field (or "prompt_ids", or "messages")', "prompt": ""}
     if not isinstance(obj["prompt"], str):
         return {"error": f'{n}: "prompt" must be a string', "prompt": ""}
-    return {"prompt": obj["prompt"], **extra}
+    return {"prompt": obj["prompt"], **extra, "where": n}
 
 
 _STDIN: list[bytes] = []  # standard input, read once: every job of an in-process sweep sees the same prompts

@@ -40,7 +40,7 @@ def test_bad_prompts_fail_alone_and_out_dir_gets_the_files(tmp_path):
     out = sp.generate(["ok", "", {"prompt_ids": "abc"}, {"messages": [{"role": "user", "content": "hi"}]},
                        {"text": "x"}], out_dir=str(tmp_path / "run"))
     assert [c.finish_reason for c in out][1:] == ["error"] * 4 and out[0].finish_reason in ("length", "stop")
-    assert "empty prompt" in out[1].error and 'prompt 2: "prompt_ids" must be a list of integers' in out[2].error
+    assert out[1].error.startswith("prompt 1: empty prompt") and 'prompt 2: "prompt_ids" must be a list of integers' in out[2].error
     assert "no chat template" in out[3].error and 'prompt 4: missing the "prompt" field' in out[4].error
     assert (tmp_path / "run" / "metrics.json").exists() and (tmp_path / "run" / "completions.jsonl").exists()
 

@@ -160,7 +160,7 @@ def test_a_run_where_every_request_fails_exits_1_and_keeps_its_outputs(tmp_path)
     path.write_text('{"prompt": ""}\n{"text": "no prompt field"}\n')
     p = cli(SMALL + [f"workload.prompts_file={path}"], tmp_path)
     assert p.returncode == 1 and "every request failed (2 of 2" in p.stderr and "Traceback" not in p.stderr, p.stderr
-    assert "request 0: empty prompt" in p.stdout and 'request 1: line 2: missing the "prompt" field' in p.stdout
+    assert "request 0: line 1: empty prompt" in p.stdout and 'request 1: line 2: missing the "prompt" field' in p.stdout
     assert (tmp_path / "run" / "metrics.json").exists() and (tmp_path / "run" / "completions.jsonl").exists()
 
 

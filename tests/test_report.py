@@ -15,13 +15,13 @@ JOBS = {  # job -> (overrides, metrics or None, error or None)
 }
 
 
-def make_sweep(root, latency_limit_ms=None):
+def make_sweep(root, latency_limit_ms=None, extra=()):
     root.mkdir(parents=True, exist_ok=True)
     (root / "multirun.yaml").write_text("hydra: {}\n")
     for name, (overrides, m, err) in JOBS.items():
         d = root / name
         (d / ".hydra").mkdir(parents=True)
-        (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in [*overrides, *extra]))
         if m:
             (d / "metrics.json").write_text(json.dumps({
                 "tokens_per_s": m["tps"], "accept_length_mean": m["acc"], "step_latency_ms_p90": m["p90"],
@@ -32,8 +32,10 @@ def make_sweep(root, latency_limit_ms=None):
     return root
 
 
-def test_report_writes_csv_markdown_and_png(tmp_path, capsys):
-    sweep = make_sweep(tmp_path / "sweep")
+@pytest.mark.parametrize("extra", [(), ("resume=true",)], ids=["first-run", "resumed"])
+def test_report_writes_csv_markdown_and_png(tmp_path, capsys, extra):
+    """A resumed sweep (every job's overrides then hold resume=true) reads as the same sweep."""
+    sweep = make_sweep(tmp_path / "sweep", extra=extra)
     out = tmp_path / "out"
     main([str(sweep), "--out", str(out)])
     with open(out / "report.csv") as f:
@@ -46,7 +48,7 @@ def test_report_writes_csv_markdown_and_png(tmp_path, capsys):
     assert table[4]["error"] == UNFINISHED
     md = (out / "report.md").read_text()
     assert "Best: job 1 (draft.topk=2 draft.num_steps=3), 455.5 tokens/s" in md
-    assert "Fixed in every job: `model=random_tiny`" in md and "within_latency_limit" not in md
+    assert "Fixed in every job: `model=random_tiny`\n" in md and "within_latency_limit" not in md
     body = [line for line in md.splitlines() if line.startswith("| ") and "job" not in line]
     assert [line.split("|")[1].strip() for line in body] == ["1", "2", "0", "3", "10"]
     assert "455.5" in body[0] and "402.2" in body[1] and "x\\|y" in body[3]  # pipes in errors are escaped

@@ -35,6 +35,8 @@ def test_bad_requests_fail_alone(tmp_path, pair):
     msgs = [r.error for r in reqs]
     assert "empty prompt" in msgs[1] and "UTF-8" in msgs[2] and '"prompt" field' in msgs[3]
     assert "exceeds the model's context of 128" in msgs[4] and "outside the vocabulary" in msgs[5]
+    # the errors found after parsing name their line like the parse errors do
+    assert [m.split(":")[0] for m in msgs[1:7]] == [f"line {n}" for n in range(2, 8)], msgs
     assert "not valid JSON" in msgs[6]
     assert out["metrics"]["num_errors"] == 6 and out["metrics"]["kv_leaked_slots"] == 0
     # metrics.json names the first five failures (the console summary prints them)
@@ -66,7 +68,8 @@ def test_prompt_file_details(tmp_path):
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b", "seed": -1}\n{"prompt": "c", "seed": 9223372036854775808}\n'
                      b'{"prompt": "d", "seed": 9223372036854775807}\n')
     items = read_prompts_file(str(path))
-    assert items[0] == {"prompt": "a"} and items[3] == {"prompt": "d", "seed": 2 ** 63 - 1}
+    assert items[0] == {"prompt": "a", "where": "line 1"}
+    assert items[3] == {"prompt": "d", "seed": 2 ** 63 - 1, "where": "line 4"}
     for i, v in ((1, "-1"), (2, "9223372036854775808")):
         assert items[i]["error"] == f'line {i + 1}: "seed" must be an integer between 0 and 2**63-1, got {v}'
 
@@ -239,7 +242,7 @@ def test_lines_that_are_not_one_prompt_object_say_what_they_are(tmp_path):
         assert it["error"].startswith(f'line {n}: is {kind}; each prompt is a JSON object: {{"prompt": "..."}}')
     assert items[4]["error"] == ("line 5: has both 'prompt' and 'messages'; give one of \"prompt\", \"prompt_ids\" "
                                  "and \"messages\"")
-    assert items[5] == {"prompt": "ok"}
+    assert items[5] == {"prompt": "ok", "where": "line 6"}
 
 
 def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp_path):
