@@ -23,7 +23,7 @@ def interrupted_sweep() -> str:
             f"metrics.json); run the same command again with {again} to skip the finished jobs and go on")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"  # in the package, so an installed wheel has it (conf/ links here)
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
                     "--config-dir", "-cd", "--experimental-rerun"}
 SKIP_FLAGS = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--config-name", "-cn",
