@@ -7,4 +7,8 @@ def __getattr__(name):  # `from specpipe import SpecPipe` without importing torc
         from specpipe import api
 
         return getattr(api, name)
+    if name == "SpecpipeError":  # what the API raises for bad overrides and inputs
+        from specpipe.errors import SpecpipeError
+
+        return SpecpipeError
     raise AttributeError(f"module 'specpipe' has no attribute {name!r}")

@@ -102,6 +102,9 @@ def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     that cannot be read (truncated, not UTF-8, not a JSON object) is not a finished run: the job runs again.
     """
     path = Path(out_dir) / "metrics.json"
+    if (path.parent / "error.json").exists():  # a failed job (every request failed) keeps its metrics.json too
+        print(f"resume: {path.parent} failed last time (error.json), so the job runs again", file=sys.stderr)
+        return None
     stored, why = read_json_object(path)
     if stored is not None:
         why = metrics_problem(stored)

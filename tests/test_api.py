@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 
 from helpers import compose
-from specpipe import SpecPipe
+from specpipe import SpecPipe, SpecpipeError  # the error class is exported where the API is
 from specpipe.app import MODEL_LOADS, run
-from specpipe.errors import SpecpipeError
 
 BASE = ("model=random_tiny", "device.dtype=float64", "workload.max_new_tokens=12")
 PROMPTS = ["def f(x):", "class A:\n    ", "import os"]

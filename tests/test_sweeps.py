@@ -147,6 +147,9 @@ def test_resume_reuses_only_the_same_config(tmp_path):
     assert finished_metrics(cfg, str(tmp_path))["tokens_per_s"] == 5.0
     cfg.resume, cfg.latency_limit_ms = True, 3.0  # scoring and skipping knobs do not change the run
     assert finished_metrics(cfg, str(tmp_path)) is not None
+    (tmp_path / "error.json").write_text('{"error": "every request failed (2 of 2; ...)"}')
+    assert finished_metrics(cfg, str(tmp_path)) is None  # a failed job keeps metrics.json but runs again
+    (tmp_path / "error.json").unlink()
     cfg.draft.topk = 1  # a different run in the same job dir (e.g. a re-used sweep dir) is run, not reused
     assert finished_metrics(cfg, str(tmp_path)) is None
     (tmp_path / "metrics.json").write_text("{trunc")

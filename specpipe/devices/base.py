@@ -105,6 +105,20 @@ class BatchGeneric:
         return self.compiled(*args, **kwargs)
 
 
+_THREADS_BEFORE: list[int] = []  # torch's thread count before specpipe first changed it
+
+
+def set_threads(num_threads: Optional[int]) -> None:
+    """Host threads for torch's CPU ops (1 is fastest on a shared machine). None gives back the count that was
+    there before a device set one, so an earlier job of an in-process sweep (or SpecPipe) does not leak into it."""
+    if num_threads is not None:
+        if not _THREADS_BEFORE:
+            _THREADS_BEFORE.append(torch.get_num_threads())
+        torch.set_num_threads(num_threads)
+    elif _THREADS_BEFORE:
+        torch.set_num_threads(_THREADS_BEFORE[0])
+
+
 class Device:
     """One accelerator kind: data (name, dtype, dist backend, capabilities, allocator kernels) plus
     synchronize, memory_stats and compile. Subclasses set the data and override what differs."""
@@ -121,8 +135,7 @@ class Device:
         self.dtype = DTYPES[dtype or self.default_dtype]
         self.index = index
         self.weight_layout = weight_layout
-        if num_threads is not None:  # host threads for torch's CPU ops (1 is fastest on a shared machine)
-            torch.set_num_threads(num_threads)
+        set_threads(num_threads)
         self.torch_device = self.make_torch_device(index)
 
     def make_torch_device(self, index: int) -> torch.device:

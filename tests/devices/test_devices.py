@@ -215,16 +215,23 @@ def test_npu_compile_and_graph_use_torchair(stub_npu, monkeypatch):
         d.compile(double, parse_policy("compile(backend=inductor)"))
 
 
-def test_cpu_device_sets_torch_threads_when_asked():
+def test_cpu_device_sets_torch_threads_when_asked(monkeypatch):
+    """null gives back the count from before a device set one: an in-process sweep's job with
+    device.num_threads=null must not inherit the previous job's 1 thread."""
     import torch
 
+    from specpipe.devices import base
     from specpipe.devices.cpu import CpuDevice
 
+    monkeypatch.setattr(base, "_THREADS_BEFORE", [])
     before = torch.get_num_threads()
     try:
-        CpuDevice("float32", num_threads=2)
-        assert torch.get_num_threads() == 2
-        CpuDevice("float32")  # None leaves torch's setting alone
-        assert torch.get_num_threads() == 2
+        CpuDevice("float32", num_threads=before + 1)
+        assert torch.get_num_threads() == before + 1
+        CpuDevice("float32", num_threads=before + 2)
+        CpuDevice("float32")
+        assert torch.get_num_threads() == before
+        CpuDevice("float32")
+        assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
