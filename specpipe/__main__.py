@@ -84,13 +84,13 @@ def hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     register_schemas()
-    from specpipe.cli_errors import expand_home, precheck, split_args, usage
+    from specpipe.cli_errors import expand_globs, expand_home, flags_first, precheck, split_args, usage
 
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(usage())
         return
 
-    sys.argv[1:] = expand_home(sys.argv[1:])
+    sys.argv[1:] = expand_globs(flags_first(expand_home(sys.argv[1:])))
     err = precheck(sys.argv[1:])
     if err:
         print(err, file=sys.stderr)
@@ -98,7 +98,7 @@ def main() -> None:
     try:
         hydra_main()
     except KeyboardInterrupt:  # a single run handles its own; this is a sweep, or before any job ran
-        multirun = split_args(sys.argv[1:])[1]
+        multirun = bool(RUNNING) or split_args(sys.argv[1:])[1]  # RUNNING: a job of a sweep preset had begun
         print(interrupted_sweep() if multirun else "specpipe: interrupted", file=sys.stderr)
         sys.exit(130)
 

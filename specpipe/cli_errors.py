@@ -7,39 +7,81 @@ names the bad value and what would be valid. Composing each override combination
 from __future__ import annotations
 
 import itertools
+import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # in the package, so an installed wheel has it (conf/ links here)
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
-                    "--config-dir", "-cd", "--experimental-rerun"}
-SKIP_FLAGS = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--config-name", "-cn",
-              "--config-path", "-cp", "--config-dir", "-cd", "--shell-completion", "-sc", "--version"}
+                    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i", "--shell-completion", "-sc"}
+SKIP_FLAGS = {"--help", "-h", "--hydra-help", "--config-path", "-cp", "--shell-completion", "-sc", "--version",
+              "--experimental-rerun"}  # Hydra answers these itself (or they name configs the check cannot find)
+PRINT_FLAGS = {"--cfg", "-c", "--info", "-i"}  # print a config: its overrides must compose, the run rules wait
+OPTIONAL_VALUE = {"--info", "-i", "--shell-completion", "-sc"}  # the value may be left out
+
+
+@dataclass
+class CommandLine:
+    overrides: list = field(default_factory=list)
+    multirun: bool = False  # -m / --multirun
+    skip: bool = False
+    prints: bool = False  # --cfg / --info
+    config_dir: Optional[str] = None  # -cd: searched before the package's conf/
+    config_name: str = "config"
+
+
+def parse_command(argv: list[str]) -> CommandLine:
+    c, i = CommandLine(), 0
+    while i < len(argv):
+        a = argv[i]
+        flag, eq, inline = a.partition("=")
+        value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+        takes = a.startswith("-") and flag in FLAGS_WITH_VALUE and not eq
+        if takes and flag in OPTIONAL_VALUE and (value is None or "=" in value or value.startswith("-")):
+            takes = False
+        if a in ("-m", "--multirun"):
+            c.multirun = True
+        elif a.startswith("-"):
+            c.skip |= flag in SKIP_FLAGS
+            c.prints |= flag in PRINT_FLAGS
+            if flag in ("--config-dir", "-cd"):
+                c.config_dir = value
+            elif flag in ("--config-name", "-cn"):
+                c.config_name = value or "config"
+        else:
+            c.overrides.append(a)
+        i += 2 if takes else 1
+    return c
+
+
+def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """(overrides, multirun flag, skip): skip when Hydra is asked for help or a config path."""
+    c = parse_command(argv)
+    return c.overrides, c.multirun, c.skip
+
+
+def flags_first(argv: list[str]) -> list[str]:
+    """Hydra's parser takes flags only before the overrides (`draft.topk=2 -m x=1,2` is an argparse error);
+    move every flag, with its value, in front."""
+    flags, rest, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("-"):
+            n = 2 if (a in FLAGS_WITH_VALUE and i + 1 < len(argv)
+                      and not (a in OPTIONAL_VALUE and ("=" in argv[i + 1] or argv[i + 1].startswith("-")))) else 1
+            flags += argv[i:i + n]
+            i += n
+        else:
+            rest.append(a)
+            i += 1
+    return flags + rest
 
 
 def group_options(group: str) -> list[str]:
     d = CONF_DIR / group
     return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
-
-
-def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
-    """(overrides, multirun, skip): skip when Hydra is asked for help/info or a different config."""
-    overrides, multirun, skip, i = [], False, False, 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-m", "--multirun"):
-            multirun = True
-        elif a.split("=")[0] in SKIP_FLAGS:
-            skip = True
-            if a in FLAGS_WITH_VALUE:
-                i += 1
-        elif a in FLAGS_WITH_VALUE:
-            i += 1
-        elif not a.startswith("-"):
-            overrides.append(a)
-        i += 1
-    return overrides, multirun, skip
 
 
 def reword(exc: Exception, overrides: list[str]) -> str:
@@ -63,12 +105,19 @@ def reword(exc: Exception, overrides: list[str]) -> str:
         group = null.split("=", 1)[0].lstrip("+")
         return (f"specpipe: invalid override {null}: config group '{group}' needs one of its options "
                 f"(valid: {', '.join(group_options(group))}).")
+    m = re.search(r"Multiple values for ([\w/]+)\. To override a value use 'override", msg)
+    if m:
+        added = next((o for o in overrides if o.startswith("+") and o.lstrip("+").startswith(m.group(1) + "=")),
+                     f"+{m.group(1)}=...")
+        return (f"specpipe: invalid override {added}: the config already chooses a {m.group(1)} option; write "
+                f"{added.lstrip('+')} to change it ('+' adds a key or group the config does not have).")
     deleted = next((o for o in overrides if o.startswith("~")), None)
     if "does not support deletion" in msg and deleted is not None:
         return (f"specpipe: invalid override {deleted}: a setting cannot be removed (the schema needs every key); "
                 f"set a value instead, {deleted[1:].split('=')[0]}=VALUE.")
     bad = next((o for o in overrides if "(" in o and "=" in o), None)
-    if ("Error parsing override" in msg or "no viable alternative" in msg) and bad is not None:
+    if ("Error parsing override" in msg or "no viable alternative" in msg) and bad is not None \
+            and bad.lstrip("+").startswith("compile"):
         key, val = bad.split("=", 1)
         return (f"specpipe: invalid override {bad}: the command line treats parentheses and commas specially, "
                 f"so quote a policy expression with options, e.g. '{key}=\"{val}\"' (valid policies: eager, "
@@ -86,6 +135,13 @@ def reword(exc: Exception, overrides: list[str]) -> str:
                 f"(valid: {', '.join(group_options(group))}).")
     m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", msg) or \
         re.search(r"Could not override '([^']+)'", msg)
+    plugin = next((o.split("=")[0].lstrip("+") for o in overrides if re.match(r"\+*hydra\.(launcher|sweeper)\.", o)),
+                  None)
+    if m and plugin is not None:
+        kind = plugin.split(".")[1]
+        return (f"specpipe: invalid override: '{plugin}' is not a setting of the {kind} in use (each hydra/{kind} "
+                f"has its own, e.g. hydra.launcher.n_jobs belongs to hydra/launcher=joblib); choose the {kind} in "
+                f"the same command, and `python -m specpipe --cfg hydra -p hydra.{kind}` lists its settings.")
     if m:
         key = m.group(1)
         keys = [o.split("=")[0].lstrip("+~") for o in overrides]
@@ -172,7 +228,9 @@ def expand_home(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose_config(overrides: list[str]):
+def compose_config(overrides: list[str], config_name: str = "config", hydra: bool = False):
+    """The config these overrides give (with its `hydra` node when asked); `hydra.searchpath` in them adds
+    config folders (a user's `-cd` goes there too), as on the command line."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -183,20 +241,37 @@ def compose_config(overrides: list[str]):
     from specpipe.validate import expand_user_paths
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=hydra)
     expand_user_paths(cfg)
     return cfg
 
 
-def expand(overrides: list[str], limit: int = 64) -> list[list[str]]:
-    """Override lists for the sweep's points (all of them when few, else each value once)."""
+def expand(overrides: list[str], limit: int = 64, sampled: bool = False) -> list[list[str]]:
+    """Override lists for the sweep's points (all of them when few, else each value once). `sampled`: a
+    sweeper that samples (Optuna) runs interval() itself, so the check leaves that key at its default."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob, IntervalSweep
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
     choices = []
-    for o in parsed:
+    for o in OverridesParser.create().parse_overrides(overrides):
         key = o.get_key_element()
-        vals = [f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        if isinstance(o.value(), Glob):  # what expand_globs left: not a config group
+            raise ValueError(f"specpipe: invalid override {o.input_line}: glob() picks options of a config group "
+                             f"(e.g. allocator=glob(t*)), and {key} is not one; list its values ({key}=1,2).")
+        if isinstance(o.value(), IntervalSweep):
+            if sampled:
+                continue
+            raise ValueError(f"specpipe: invalid override {o.input_line}: interval() asks a sweeper to sample "
+                             f"values from a range, and the default sweeper only enumerates; list the values "
+                             f"({key}=1,2,4), use range() or choice(), or a sampling sweeper (hydra/sweeper=optuna, "
+                             f"as sweep=optuna_tree does).")
+        try:
+            vals = [f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        except Exception as e:  # range(1,4,0) and the like: Python's words, with the override named
+            raise ValueError(f"specpipe: invalid override {o.input_line}: {e}.") from None
+        if not vals:
+            raise ValueError(f"specpipe: invalid override {o.input_line}: it gives no values, so the sweep would "
+                             f"run no job; e.g. range(1,4) gives 1, 2 and 3.")
         choices.append(vals)
     total = 1
     for c in choices:
@@ -205,6 +280,26 @@ def expand(overrides: list[str], limit: int = 64) -> list[list[str]]:
         return [list(p) for p in itertools.product(*choices)]
     firsts = [c[0] for c in choices]
     return [firsts[:i] + [v] + firsts[i + 1:] for i, c in enumerate(choices) for v in c]
+
+
+def expand_globs(argv: list[str]) -> list[str]:
+    """`allocator=glob(t*)` -> `allocator=token`: Hydra's glob would also match the schemas' base_* entries
+    that every group holds in the ConfigStore, and its check here has no config loader to list options."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    out = []
+    for a in argv:
+        if not a.startswith("-") and "glob(" in a:
+            try:
+                o = OverridesParser.create().parse_override(a)
+            except Exception:
+                o = None  # the check names the problem
+            if o is not None and isinstance(o.value(), Glob) and group_options(o.get_key_element().lstrip("+~")):
+                picked = o.value().filter(group_options(o.get_key_element().lstrip("+~")))
+                a = f"{o.get_key_element()}={','.join(picked)}" if picked else a
+        out.append(a)
+    return out
 
 
 def usage() -> str:
@@ -246,24 +341,127 @@ def usage() -> str:
     ])
 
 
-def precheck(argv: list[str]) -> Optional[str]:
-    """The reworded error for the first bad override combination, or None when all compose and validate."""
-    overrides, multirun, skip = split_args(argv)
-    if skip:
-        return None
-    for o in overrides:  # Hydra would fail creating the output folder, with a traceback
-        key, _, value = o.lstrip("+").partition("=")
-        if key in ("hydra.run.dir", "hydra.sweep.dir") and value and Path(value).exists() and not Path(value).is_dir():
+def output_folder_problem(key: str, value: str) -> Optional[str]:
+    """Why Hydra could not make `value` its output folder (it would fail with a traceback), or None."""
+    literal = value.split("${", 1)[0]
+    if "${" in value:
+        literal = literal.rsplit("/", 1)[0] if "/" in literal else ""
+    if not value.strip():
+        return (f"specpipe: invalid configuration: {key} is empty; give a folder for the outputs (or leave it out: "
+                f"outputs/DATE/TIME)")
+    try:
+        path = Path(literal or ".").expanduser().absolute()
+        if path.exists() and not path.is_dir():
             return (f"specpipe: invalid configuration: {key}={value!r} is a file, not a folder; outputs need a "
                     f"folder (a new or existing one)")
-    launcher = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("hydra/launcher=")), "basic")
-    if multirun and launcher != "basic" and any(o.lstrip("+") == "workload.prompts_file=-" for o in overrides):
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as e:  # a name too long, a loop of links
+        return f"specpipe: invalid configuration: {key}={value[:80]!r}... cannot be a folder ({e.strerror})"
+    if not existing.is_dir():
+        return (f"specpipe: invalid configuration: {key}={value!r} lies under {str(existing)!r}, which is a file; "
+                f"outputs need a folder")
+    if not os.access(existing, os.W_OK | os.X_OK) or os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return (f"specpipe: invalid configuration: {key}={value!r}: {str(existing)!r} cannot be written (no "
+                f"permission or a read-only file system); give a folder you can write to")
+    return None
+
+
+def hydra_problem(cfg, c: CommandLine, multirun: bool) -> Optional[str]:
+    """Launcher and output-folder settings that would fail inside Hydra, with a traceback."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+    if multirun and "SlurmLauncher" in launcher and shutil.which("srun") is None and shutil.which("sbatch") is None:
+        return ("specpipe: invalid configuration: hydra/launcher=slurm submits jobs to SLURM, and this machine has "
+                "no SLURM (neither srun nor sbatch is on the PATH); run it on a cluster's login node, or try the "
+                "same sweep here with hydra/launcher=submitit_local or joblib")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        value = OmegaConf.select(cfg, key, default=None)
+    except Exception:  # an interpolation Hydra resolves only once the job runs
+        return None
+    return None if value is None else output_folder_problem(key, str(value))
+
+
+def precheck(argv: list[str]) -> Optional[str]:
+    """The reworded error for the first bad override combination, or None when all compose and validate."""
+    c = parse_command(argv)
+    if c.skip:
+        return None
+    if c.config_dir is not None:
+        where = Path(c.config_dir).expanduser()
+        if not where.is_dir():
+            return (f"specpipe: invalid configuration: --config-dir {c.config_dir!r} is not a folder; give the "
+                    f"folder that holds your config groups (e.g. myconf/ with myconf/experiment/foo.yaml)")
+    overrides = list(c.overrides)
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if not key.strip("~ "):
+            return (f"specpipe: invalid override {o!r}: the key before '=' is missing; overrides are key=value "
+                    f"(e.g. draft.topk=4) or group=option (e.g. allocator=paged)")
+        if key in ("hydra.run.dir", "hydra.sweep.dir"):
+            why = output_folder_problem(key, value)
+            if why:
+                return why
+        if o.startswith("~") and not key.lstrip("~").startswith("hydra"):
+            return (f"specpipe: invalid override {o}: a setting cannot be removed (the schema needs every key); "
+                    f"set a value instead, {key.lstrip('~')}=VALUE.")
+    if c.config_dir is not None:  # -cd: searched first, as Hydra does
+        entry = "file://" + str(Path(c.config_dir).expanduser().absolute())
+        given = next((i for i, o in enumerate(overrides) if o.lstrip("+").startswith("hydra.searchpath=")), None)
+        if given is None:
+            overrides.append(f"hydra.searchpath=[{entry}]")
+        else:
+            inner = overrides[given].split("=", 1)[1].strip().removeprefix("[").removesuffix("]")
+            overrides[given] = f"hydra.searchpath=[{entry}{',' + inner if inner.strip() else ''}]"
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        return reword(e, overrides)
+    first = []  # the first point: every override with its first value (a sweep's keys can need its groups)
+    for p in parsed:
+        try:
+            first.append(f"{p.get_key_element()}={next(iter(p.sweep_string_iterator()))}" if p.is_sweep_override()
+                         else p.input_line)
+        except Exception:  # glob() on a key, interval(), an empty range: expand() names the problem
+            pass
+    try:
+        base = compose_config(first, c.config_name, hydra=True)
+    except Exception as e:
+        return reword(e, first)
+    multirun = c.multirun or str(base.hydra.mode) == "RunMode.MULTIRUN"  # sweep presets set hydra.mode
+    swept = [p for p in parsed if p.is_sweep_override()]
+    if c.prints and (c.multirun or swept):
+        return ("specpipe: invalid command: --cfg and --info print one composed config, and this command is a sweep "
+                "(-m, or several values for a key); drop -m and give one value per key to see one job's config")
+    presets = next((p for p in swept if p.get_key_element().lstrip("+") == "sweep"), None)
+    if presets is not None:
+        return (f"specpipe: invalid override {presets.input_line}: one ready sweep per command (each sets its own "
+                f"hydra.sweeper.params); run them one after another, e.g. python -m specpipe sweep="
+                f"{next(iter(presets.sweep_string_iterator()), 'tree_shape')}")
+    if swept and not multirun:
+        return (f"specpipe: invalid override {swept[0].input_line}: several values (or a sweep function) make a "
+                f"sweep, so add -m: python -m specpipe -m {' '.join(argv)}")
+    why = hydra_problem(base, c, multirun)
+    if why:
+        return why
+    if multirun and "BasicLauncher" not in str(base.hydra.launcher.get("_target_", "")) \
+            and base.workload.get("prompts_file") == "-":
+        name = base.hydra.runtime.choices.get("hydra/launcher", "")
         return (f"specpipe: invalid configuration: workload.prompts_file=- (standard input) reaches only this "
-                f"process, and hydra/launcher={launcher} runs the jobs in other processes; write the prompts to a "
+                f"process, and hydra/launcher={name} runs the jobs in other processes; write the prompts to a "
                 f"file (workload.prompts_file=prompts.jsonl), or use the default in-process launcher")
     own = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    hydra_own = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
+    sampled = "BasicSweeper" not in str(base.hydra.sweeper.get("_target_", ""))
     try:
-        combos = expand(own) if multirun else [own]
+        combos = expand(own, sampled=sampled) if multirun else [own]
+    except ValueError as e:
+        return str(e) if str(e).startswith("specpipe:") else reword(e, own)
     except Exception as e:
         return reword(e, own)
     from specpipe.errors import ConfigError
@@ -271,10 +469,10 @@ def precheck(argv: list[str]) -> Optional[str]:
 
     for combo in combos:
         try:
-            cfg = compose_config(combo)
+            cfg = compose_config(combo + hydra_own, c.config_name)
         except Exception as e:
             return reword(e, combo)
-        if not multirun:
+        if not multirun and not c.prints:
             try:
                 validate(cfg)
             except ConfigError as e:

@@ -130,13 +130,22 @@ PATH_KEYS = ("model.path", "draft.path", "workload.prompts_file")
 
 def expand_user_paths(cfg: DictConfig) -> None:
     """A path setting that starts with "~" means the home folder, as in a shell (which cannot expand it in
-    `model.path=~/m`: the word does not start with "~")."""
+    `model.path=~/m`: the word does not start with "~"); a relative one means the folder the command was
+    typed in, also when Hydra has moved the job into its output folder (hydra.job.chdir=true)."""
     import os
 
+    from hydra.core.hydra_config import HydraConfig
+
+    typed_in = HydraConfig.get().runtime.cwd if HydraConfig.initialized() else None
     for key in PATH_KEYS:
         value = OmegaConf.select(cfg, key, default=None)
-        if isinstance(value, str) and value.startswith("~") and value not in ("~", ""):
-            OmegaConf.update(cfg, key, os.path.expanduser(value), merge=False)
+        if not isinstance(value, str) or value in ("~", "", "-"):
+            continue
+        path = os.path.expanduser(value)
+        if typed_in and not os.path.isabs(path) and os.path.realpath(os.getcwd()) != os.path.realpath(typed_in):
+            path = os.path.join(typed_in, path)
+        if path != value:
+            OmegaConf.update(cfg, key, path, merge=False)
 
 
 def validate(cfg: DictConfig) -> None:

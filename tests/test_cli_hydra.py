@@ -1,0 +1,94 @@
+"""Hydra's own command-line features, as a Hydra user types them: user config folders, sweep presets with
+more sweeps, sweep functions, hydra.* settings, flags anywhere; each works or is one exit-2 paragraph."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specpipe.cli_errors import expand_globs, flags_first, precheck
+
+SMALL = ["model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def myconf(tmp_path_factory):
+    """A user's config folder: a group option of their own and a _global_ experiment preset."""
+    root = tmp_path_factory.mktemp("myconf")
+    (root / "draft").mkdir()
+    (root / "draft" / "mytree.yaml").write_text("defaults: [base_eagle, _self_]\ntopk: 2\nnum_steps: 4\n"
+                                                "num_draft_tokens: 6\n")
+    (root / "experiment").mkdir()
+    (root / "experiment" / "foo.yaml").write_text("# @package _global_\ndefaults:\n  - override /draft: ngram\n"
+                                                  "  - override /allocator: paged\ndraft:\n  topk: 2\n")
+    return root
+
+
+WORKS = [["sweep=compile_policies", "compile=eager,split"],  # a preset is a sweep: -m is not needed for more
+         ["hydra.mode=MULTIRUN", "draft.topk=1,2"], ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                                                     "draft.topk=1,2"],
+         ["-cd", "{myconf}", "draft=mytree"], ["-cd", "{myconf}", "+experiment=foo"],
+         ["hydra.searchpath=[file://{myconf}]", "+experiment=foo"], ["--cfg", "job", "draft=ngram"]]
+FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per command"),
+         (["draft.topk=1,2"], "several values (or a sweep function) make a sweep, so add -m"),
+         (["-cd", "/no/such/folder"], "--config-dir '/no/such/folder' is not a folder"),
+         (["-cd", "{myconf}", "draft=nope"], "config group 'draft' has no option 'nope'"),
+         (["-m", "draft.topk=interval(1,4)"], "interval() asks a sweeper to sample"),
+         (["-m", "draft.topk=range(1,0)"], "it gives no values, so the sweep would run no job"),
+         (["-m", "draft.topk=range(1,4,0)"], "draft.topk=range(1,4,0): range() arg 3 must not be zero"),
+         (["-m", "draft.topk=glob(*)"], "glob() picks options of a config group"),
+         (["~seed"], "~seed: a setting cannot be removed"),
+         (["+draft=ngram"], "+draft=ngram: the config already chooses a draft option; write draft=ngram"),
+         (["=1"], "the key before '=' is missing"),
+         (["hydra/launcher=ray"], "pip install -e '.[ray]'"),
+         (["-m", "hydra.launcher.n_jobs=2", "draft.topk=1,2"], "'hydra.launcher.n_jobs' is not a setting of the "
+                                                               "launcher in use"),
+         (["hydra.run.dir={file}/sub"], "which is a file; outputs need a folder"),
+         (["hydra.run.dir="], "hydra.run.dir is empty"),
+         (["hydra.sweep.dir=/tmp/" + "x" * 5000, "-m", "draft.topk=1,2"], "cannot be a folder (File name too long)"),
+         (["--cfg", "job", "allocator=foo"], "config group 'allocator' has no option 'foo'"),
+         (["--info", "config", "draft=bogus"], "config group 'draft' has no option 'bogus'"),
+         (["-m", "--cfg", "job", "draft.topk=1,2"], "--cfg and --info print one composed config")]
+
+
+@pytest.mark.parametrize("args", WORKS, ids=[" ".join(a) for a in WORKS])
+def test_hydra_usage_that_works_passes_the_check(args, myconf):
+    assert precheck(SMALL + [a.format(myconf=myconf) for a in args]) is None
+
+
+@pytest.mark.parametrize("args,fragment", FAILS, ids=[" ".join(a)[:60] for a, _ in FAILS])
+def test_hydra_usage_that_cannot_work_is_one_paragraph(args, fragment, myconf, tmp_path):
+    (tmp_path / "f").write_text("")
+    msg = precheck(SMALL + [a.format(myconf=myconf, file=tmp_path / "f") for a in args])
+    assert msg is not None and fragment in msg and msg.startswith("specpipe:"), msg
+    assert "\n" not in msg and "Traceback" not in msg
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="this machine has SLURM")
+def test_slurm_launcher_without_slurm_says_so():
+    msg = precheck(["-m", "hydra/launcher=slurm", *SMALL, "draft.topk=1,2"])
+    assert "this machine has no SLURM" in msg and "submitit_local" in msg
+
+
+def test_flags_go_first_and_globs_pick_real_options_only():
+    assert flags_first(["draft.topk=2", "-m", "allocator=token", "--cfg", "job", "-cd", "x", "--info"]) == \
+        ["-m", "--cfg", "job", "-cd", "x", "--info", "draft.topk=2", "allocator=token"]
+    assert expand_globs(["allocator=glob(*)"]) == ["allocator=hisparse,paged,swa,token"]  # no base_* entries
+    assert expand_globs(["draft=glob(*,exclude=[none,standalone])", "x=1"]) == ["draft=eagle,ngram,suffix", "x=1"]
+
+
+def test_a_sweep_with_flags_last_a_glob_and_chdir_reads_paths_from_where_it_was_typed(tmp_path):
+    """hydra.job.chdir=true moves each job into its folder; a relative prompts file still means the folder the
+    command was typed in. The -m after the overrides and the glob() over a group work as Hydra users expect."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def chdir_check(x):"}) + "\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "specpipe", *SMALL, "device.num_threads=1", "workload.prompts_file=p.jsonl",
+                        "hydra.job.chdir=true", "-m", "allocator=glob(t*)", f"hydra.sweep.dir={tmp_path}/sweep"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    jobs = sorted(d.name for d in (tmp_path / "sweep").iterdir() if d.is_dir())
+    assert jobs == ["0"], jobs  # glob(t*) is allocator=token alone
+    line = json.loads((tmp_path / "sweep" / "0" / "completions.jsonl").read_text().splitlines()[0])
+    assert line["prompt"] == "def chdir_check(x):" and line["finish_reason"] != "error", line
