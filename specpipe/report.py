@@ -1,8 +1,11 @@
 """python -m specpipe.report SWEEP_DIR [--out DIR]: one table and one plot for a whole sweep.
 
-Reads every job dir under SWEEP_DIR (metrics.json, error.json, .hydra/overrides.yaml) and writes
+Reads the job dirs under SWEEP_DIR (metrics.json, error.json, .hydra/overrides.yaml) and writes
 report.csv, report.md and report.png. The columns are the overrides that differ between jobs, so
-the table shows what the sweep varied and nothing that stayed fixed. A job that failed shows its
+the table shows what the sweep varied and nothing that stayed fixed (without overrides.yaml, as with
+hydra.output_subdir=null: the settings of metrics.json's config that differ). Only the jobs of the newest
+sweep in SWEEP_DIR are read (--all reads every one): a new sweep into the same folder leaves the higher
+numbered jobs of an earlier, longer one in place. A job that failed shows its
 error.json message (for a crash, the exception); one that was interrupted or killed (a job dir without
 either file) shows that, and so does one whose metrics.json or error.json cannot be read, saying why.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -25,6 +29,7 @@ METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_ver
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
 UNFINISHED = "unfinished: no metrics.json (interrupted, killed or still running; resume=true re-runs it)"
 RERUN = "resume=true re-runs it"
+HYDRA_FILES = ("overrides.yaml", "config.yaml", "hydra.yaml")  # what Hydra saves in a job's hydra.output_subdir
 
 
 @dataclass
@@ -33,6 +38,7 @@ class Job:
     overrides: dict[str, str] = field(default_factory=dict)
     metrics: Optional[dict] = None
     error: Optional[str] = None
+    hydra: Optional[Path] = None  # the folder where Hydra saved the job's overrides.yaml and config.yaml
 
     @property
     def tps(self) -> Optional[float]:
@@ -53,11 +59,23 @@ def _natural(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _overrides(job_dir: Path) -> dict[str, str]:
-    """key -> value from Hydra's per-job .hydra/overrides.yaml ('+', '++' and '~' prefixes dropped)."""
-    path = job_dir / ".hydra" / "overrides.yaml"
+def hydra_dir(job_dir: Path) -> Optional[Path]:
+    """The job's Hydra folder: .hydra, or the folder hydra.output_subdir named instead (one holding overrides.yaml,
+    config.yaml and hydra.yaml); None when Hydra saved none (hydra.output_subdir=null)."""
+    if (job_dir / ".hydra" / "overrides.yaml").is_file():
+        return job_dir / ".hydra"
     try:
-        items = yaml.safe_load(path.read_text()) or []
+        return next((d for d in sorted(job_dir.iterdir()) if all((d / f).is_file() for f in HYDRA_FILES)), None)
+    except OSError:
+        return None
+
+
+def _overrides(hydra: Optional[Path]) -> dict[str, str]:
+    """key -> value from Hydra's per-job overrides.yaml ('+', '++' and '~' prefixes dropped)."""
+    if hydra is None:
+        return {}
+    try:
+        items = yaml.safe_load((hydra / "overrides.yaml").read_text()) or []
     except (OSError, yaml.YAMLError):
         return {}
     out = {}
@@ -68,41 +86,84 @@ def _overrides(job_dir: Path) -> dict[str, str]:
     return out
 
 
-def ran_with(job_dir: Path, key: str) -> str:
+def _text(v) -> str:
+    """A config value as an override writes it ("" for a config group: its choice names it)."""
+    if isinstance(v, list):
+        return "[" + ",".join(map(_text, v)) + "]"
+    if isinstance(v, dict):
+        return ""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _leaves(node, prefix: str = "") -> dict[str, str]:
+    """"draft.topk" -> "2" for every setting of a resolved config."""
+    if not isinstance(node, dict):
+        return {prefix[:-1]: _text(node)} if prefix else {}
+    return {k: v for key, sub in node.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+
+
+def ran_with(job: Job, key: str) -> str:
     """The value `key` had in a job that did not override it (its default, or a preset's): the group choice
-    from .hydra/hydra.yaml, else the value in .hydra/config.yaml; "" when neither says."""
+    from hydra.yaml, else the value in metrics.json's config, else the one in config.yaml, which holds
+    interpolations (${...}) unresolved, so those are never shown; "" when none says."""
+    def choice():
+        hydra_cfg = yaml.safe_load((job.hydra / "hydra.yaml").read_text()) or {}
+        return ((hydra_cfg.get("hydra") or {}).get("runtime") or {}).get("choices", {})
+
+    for source in (choice, lambda: _leaves((job.metrics or {}).get("config")),
+                   lambda: _leaves(yaml.safe_load((job.hydra / "config.yaml").read_text()))):
+        try:
+            value = source().get(key)
+        except (OSError, yaml.YAMLError, TypeError, AttributeError):
+            continue
+        if value is not None and value != "" and "${" not in str(value):
+            return str(value)
+    return ""
+
+
+def sweep_started(sweep_dir: Path) -> float:
+    """When the newest sweep into sweep_dir started, as its files are stamped: Hydra writes multirun.yaml then,
+    before any job (each sweep overwrites it). -inf when there is none, so every job is read."""
+    return _mtime(sweep_dir / "multirun.yaml")
+
+
+def _mtime(p: Path) -> float:
     try:
-        hydra_cfg = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text()) or {}
-        choice = ((hydra_cfg.get("hydra") or {}).get("runtime") or {}).get("choices", {}).get(key)
-        if choice is not None:
-            return str(choice)
-        node = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
-        for part in key.split("."):
-            node = node[part]
-    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
-        return ""
-    if isinstance(node, (dict, list)):
-        return ""
-    return "null" if node is None else str(node).lower() if isinstance(node, bool) else str(node)
+        return p.stat().st_mtime
+    except OSError:
+        return float("-inf")
 
 
-def find_jobs(sweep_dir: Path) -> list[Job]:
-    """Every job dir under sweep_dir: one that has metrics.json, error.json or .hydra/overrides.yaml."""
+def find_jobs(sweep_dir: Path, since: float = float("-inf")) -> tuple[list[Job], int]:
+    """(every job dir under sweep_dir written at or after `since`, how many older ones were left out).
+
+    A job dir has metrics.json, error.json or a Hydra folder (hydra_dir). It belongs to the sweep that started
+    at `since` when Hydra wrote its overrides.yaml, or the job wrote metrics.json or error.json, since then;
+    the leftovers of an earlier, longer sweep into the same folder are older.
+    """
     dirs = {p.parent for p in sweep_dir.rglob("metrics.json")} | {p.parent for p in sweep_dir.rglob("error.json")}
-    dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
-    dirs = sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir))))
+    dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml")
+             if p.parent.name == ".hydra" or all((p.parent / f).is_file() for f in HYDRA_FILES)}
+    found = [(d, hydra_dir(d)) for d in sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir))))]
+    kept = [(d, h) for d, h in found if max(_mtime(f) for f in (
+        d / "metrics.json", d / "error.json", *([h / "overrides.yaml"] if h else []))) >= since]
     jobs = []
-    for d in dirs:
+    for d, h in kept:
         metrics, err = job_state(d)
-        jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", _overrides(d), metrics, err))
+        jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", _overrides(h), metrics, err, h))
     keys = {k for j in jobs for k in j.overrides}
-    for j, d in zip(jobs, dirs):
+    if not keys:  # no overrides.yaml (hydra.output_subdir=null): the settings that differ between finished jobs
+        configs = [_leaves(j.metrics.get("config")) for j in jobs if j.metrics]
+        keys = {k for c in configs for k in c if k != "resume" and len({c2.get(k) for c2 in configs}) > 1}
+        for j in jobs:
+            j.overrides = {k: v for k, v in _leaves((j.metrics or {}).get("config")).items() if k in keys}
+    for j in jobs:
         for k in keys - set(j.overrides):  # a job that left a swept key at its default shows what it ran with
             if not k.startswith("hydra"):
-                value = ran_with(d, k)
+                value = ran_with(j, k)
                 if value:
                     j.overrides[k] = value
-    return jobs
+    return jobs, len(found) - len(kept)
 
 
 def error_message(job_dir: Path) -> tuple[bool, Optional[str]]:
@@ -198,16 +259,31 @@ def write_csv(path: Path, header: list[str], table: list[list]) -> None:
         w.writerows([["" if v is None else v for v in r] for r in table])
 
 
-def markdown(header: list[str], table: list[list], fixed: dict[str, str], best: Job, varied: list[str]) -> str:
-    def cell(key: str, v) -> str:
-        text = _fmt(key, v)
-        text = text if len(text) <= 120 else text[:117] + "..."
-        return text.replace("|", "\\|").replace("\n", " ")
+def _escaped(value: str) -> str:
+    """A setting on one line: a newline shows as \\n, so values that differ only there still look different."""
+    return value.replace("\n", "\\n").replace("\r", "\\r")
 
-    shown = " ".join(f"{k}={best.overrides[k]}" for k in varied if k in best.overrides)
+
+def older_note(sweep_dir: Path, older: int) -> str:
+    """Says that older job dirs were left out (find_jobs), and how to see them; "" when none were."""
+    return (f"Left out: {older} older job dir(s) in {sweep_dir}, written before its newest sweep started (the "
+            "leftovers of an earlier, longer sweep, or jobs a running or resumed sweep has not reached yet); "
+            f"`python -m specpipe.report {sweep_dir} --all` reports them too.") if older else ""
+
+
+def markdown(header: list[str], table: list[list], fixed: dict[str, str], best: Job, varied: list[str],
+             note: str = "") -> str:
+    def cell(key: str, v) -> str:
+        text = _fmt(key, v).replace("\n", " ") if key == "error" else _escaped(_fmt(key, v))
+        text = text if len(text) <= 120 else text[:117] + "..."
+        return text.replace("|", "\\|")
+
+    shown = " ".join(f"{k}={_escaped(best.overrides[k])}" for k in varied if k in best.overrides)
     lines = [f"Best: job {best.name}" + (f" ({shown})" if shown else "") + f", {best.tps:.1f} tokens/s", ""]
+    if note:
+        lines += [note, ""]
     if fixed:
-        lines += ["Fixed in every job: " + ", ".join(f"`{k}={v}`" for k, v in fixed.items()), ""]
+        lines += ["Fixed in every job: " + ", ".join(f"`{k}={_escaped(v)}`" for k, v in fixed.items()), ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---:" if h in METRICS else "---" for h in header) + "|")
     lines += ["| " + " | ".join(cell(h, v) for h, v in zip(header, r)) + " |" for r in table]
@@ -248,28 +324,32 @@ def plot(path: Path, jobs: list[Job], varied: list[str], best: Job) -> None:
     plt.close(fig)
 
 
-def report(sweep_dir: Path, out: Path) -> tuple[list[Job], str]:
-    """Write report.csv, report.md and report.png for sweep_dir into out; (jobs fastest first, markdown)."""
-    jobs = sort_jobs(find_jobs(sweep_dir))
+def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Job], str]:
+    """Write report.csv, report.md and report.png for sweep_dir (its newest sweep's jobs, unless every_job)
+    into out; (jobs fastest first, markdown)."""
+    jobs, older = find_jobs(sweep_dir, float("-inf") if every_job else sweep_started(sweep_dir))
+    jobs = sort_jobs(jobs)
     varied, fixed = varied_keys(jobs)
     header, table = rows(jobs, varied)
     best = best_job(jobs)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "report.csv", header, table)
-    md = markdown(header, table, fixed, best, varied)
+    md = markdown(header, table, fixed, best, varied, older_note(sweep_dir, older))
     (out / "report.md").write_text(md)
     plot(out / "report.png", jobs, varied, best)
     return jobs, md
 
 
-def no_metrics_message(sweep_dir: Path, jobs: list[Job]) -> str:
+def no_metrics_message(sweep_dir: Path, jobs: list[Job], older: int = 0) -> str:
     if not sweep_dir.is_dir():
         return (f"specpipe.report: {sweep_dir} is not a directory. Give the folder of a sweep, e.g. "
                 "multirun/2026-01-31/12-00-00 or the hydra.sweep.dir you chose.")
     why = f"{len(jobs)} job dir(s) were found but none finished" if jobs else "it holds no job dirs"
-    first = next((j.error for j in jobs if j.error and j.error != UNFINISHED), None)
+    first = next((" ".join(j.error.split()) for j in jobs if j.error and j.error != UNFINISHED), None)
     return (f"specpipe.report: no metrics.json under {sweep_dir}: {why}, so there is nothing to report. "
-            + (f"The first failed job says: {first} " if first else "")
+            + (older_note(sweep_dir, older) + " " if older else "")
+            + (f"The first failed job says: {first}" + ("" if first.endswith((".", "!", "?")) else ".") + " "
+               if first else "")
             + "Give the folder of a sweep (`python -m specpipe -m ...` prints it as the sweep output dir), "
             "whose numbered job dirs each get metrics.json when their run finishes.")
 
@@ -293,10 +373,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m specpipe.report", description=__doc__.splitlines()[0])
     ap.add_argument("sweep_dir", type=Path, help="a multirun folder (hydra.sweep.dir)")
     ap.add_argument("--out", type=Path, default=None, help="where to write report.* (default: SWEEP_DIR)")
+    ap.add_argument("--all", action="store_true", dest="every_job",
+                    help="also report the job dirs older than the newest sweep in SWEEP_DIR (an earlier sweep's)")
     args = ap.parse_args(argv)
-    jobs = find_jobs(args.sweep_dir) if args.sweep_dir.is_dir() else []
+    since = float("-inf") if args.every_job else sweep_started(args.sweep_dir)
+    jobs, older = find_jobs(args.sweep_dir, since) if args.sweep_dir.is_dir() else ([], 0)
     if not any(j.metrics is not None for j in jobs):
-        print(no_metrics_message(args.sweep_dir, jobs), file=sys.stderr)
+        print(no_metrics_message(args.sweep_dir, jobs, older), file=sys.stderr)
         sys.exit(2)
     out = args.out or args.sweep_dir
     problem = out_problem(out)
@@ -304,16 +387,19 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(problem, file=sys.stderr)
         sys.exit(2)
     try:
-        jobs, md = report(args.sweep_dir, out)
+        jobs, md = report(args.sweep_dir, out, args.every_job)
     except OSError as e:
         print(f"specpipe.report: cannot write the report into {out}: {e.strerror or e}"
               + (f" ({e.filename})" if e.filename else "") + ". Give --out a folder you can write to.",
               file=sys.stderr)
         sys.exit(2)
-    print(md)
     failed = sum(j.metrics is None for j in jobs)
-    print(f"{len(jobs)} jobs ({failed} without metrics) -> {out / 'report.csv'}, {out / 'report.md'}, "
-          f"{out / 'report.png'}")
+    try:
+        print(md)
+        print(f"{len(jobs)} jobs ({failed} without metrics) -> {out / 'report.csv'}, {out / 'report.md'}, "
+              f"{out / 'report.png'}", flush=True)
+    except BrokenPipeError:  # `... | head`: the report files are written; the rest of the text is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor is the flush at exit
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -324,25 +410,16 @@ def _one_line(text: str, limit: int = 200) -> str:
 def failure_summary(sweep_dir: Path, since: float) -> Optional[str]:
     """The end-of-sweep list of this sweep's failed jobs, or None when none failed.
 
-    A job dir belongs to this sweep when Hydra wrote its .hydra/overrides.yaml (or the job wrote metrics.json
-    or error.json) at or after `since` (a time.time()); leftovers of an earlier, longer sweep in the same
-    folder are not counted. A job of this sweep failed when it wrote an error.json, or has no usable
-    metrics.json (e.g. killed under a launcher that runs jobs elsewhere).
+    A job dir belongs to this sweep when it was written at or after `since` (a time.time(); see find_jobs);
+    leftovers of an earlier, longer sweep in the same folder are not counted. A job of this sweep failed when
+    it wrote an error.json, or has no usable metrics.json (e.g. killed under a launcher that runs jobs elsewhere).
     """
-    def mtime(p: Path) -> float:
-        try:
-            return p.stat().st_mtime
-        except OSError:
-            return float("-inf")
-
-    jobs = [j for j in (find_jobs(sweep_dir) if sweep_dir.is_dir() else [])
-            if max(mtime(sweep_dir / j.name / f) for f in (".hydra/overrides.yaml", "metrics.json", "error.json"))
-            >= since]
+    jobs = find_jobs(sweep_dir, since)[0] if sweep_dir.is_dir() else []
     failed = []
     for j in jobs:
         d = sweep_dir / j.name
         has_error, message = error_message(d)
-        if has_error and mtime(d / "error.json") >= since:
+        if has_error and _mtime(d / "error.json") >= since:
             failed.append((j, message, f"{d / 'error.json'}"))
         elif j.metrics is None:  # killed, or left with a damaged metrics.json; an older error.json is not its story
             failed.append((j, UNFINISHED if has_error else j.error, f"{d} (no error.json from this sweep)"))

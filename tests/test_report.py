@@ -1,8 +1,14 @@
 """python -m specpipe.report on a hand-made sweep dir: CSV rows, markdown sorted by tokens/s, a real PNG."""
 import csv
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from specpipe.report import UNFINISHED, main
 
@@ -111,7 +117,7 @@ def test_no_metrics_is_a_clear_error(tmp_path, capsys, setup):
         target.mkdir()
     if setup == "only_failed":
         (target / "0").mkdir()
-        (target / "0" / "error.json").write_text(json.dumps({"error": "specpipe: bad topk"}))
+        (target / "0" / "error.json").write_text(json.dumps({"error": "specpipe: bad\n  topk"}))
     with pytest.raises(SystemExit) as e:
         main([str(target)])
     assert e.value.code == 2
@@ -119,7 +125,7 @@ def test_no_metrics_is_a_clear_error(tmp_path, capsys, setup):
     assert err.startswith("specpipe.report:") and err.count("\n") == 1  # one paragraph
     assert ("no metrics.json" in err) != (setup == "missing")
     if setup == "only_failed":
-        assert "specpipe: bad topk" in err
+        assert "says: specpipe: bad topk. Give the folder" in err  # one line, two sentences
 
 
 def test_latency_limited_sweep_picks_the_fastest_job_within_the_limit(tmp_path):
@@ -166,3 +172,102 @@ def test_a_job_that_left_a_swept_key_at_its_default_shows_that_value(tmp_path):
         table = {r["job"]: r for r in csv.DictReader(f)}
     assert table["0"]["allocator"] == "token" and table["0"]["draft.num_steps"] == "3"
     assert table["1"]["allocator"] == "paged" and table["1"]["draft.num_steps"] == "7"
+
+
+def test_a_new_sweep_into_the_same_folder_reports_only_its_jobs(tmp_path, capsys):
+    """A shorter sweep into the folder of a longer one leaves the older jobs in place (multirun.yaml records only
+    the newest sweep): they are left out by default, and said to be, and --all reports them."""
+    sweep = make_sweep(tmp_path / "sweep")
+    now = time.time()
+    os.utime(sweep / "multirun.yaml", (now - 60,) * 2)  # the newest sweep started a minute ago ...
+    for name in ("1", "3", "10"):  # ... after these, the fastest (job 1) among them, were written
+        for f in (sweep / name).rglob("*.*"):
+            os.utime(f, (now - 3600,) * 2)
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        assert [r["job"] for r in csv.DictReader(f)] == ["2", "0"]
+    md = (sweep / "report.md").read_text()
+    assert "Best: job 2 (draft.topk=4)" in md and "3 older job dir(s)" in md and "--all" in md
+    assert "3 older job dir(s)" in capsys.readouterr().out
+    main([str(sweep), "--all"])
+    with open(sweep / "report.csv") as f:
+        assert [r["job"] for r in csv.DictReader(f)] == ["1", "2", "0", "3", "10"]
+    assert "Best: job 1" in (sweep / "report.md").read_text()
+    assert "older" not in (sweep / "report.md").read_text()
+
+
+def finished(tps: float, config: dict) -> str:
+    return json.dumps({"tokens_per_s": tps, "accept_length_mean": 2.0, "step_latency_ms_p90": 1.0,
+                       "num_verify_steps": 3, "recompiles": 0, "wall_s": 0.1, "config": config})
+
+
+def test_a_default_that_config_yaml_holds_as_an_interpolation_shows_its_resolved_value(tmp_path):
+    """config.yaml holds ${...} unresolved; metrics.json's config holds what the job ran with."""
+    sweep = tmp_path / "sweep"
+    jobs = {"0": (["draft.num_draft_tokens=6"], 6), "1": (["draft.topk=2"], 4), "2": (["draft.topk=3"], None)}
+    for name, (overrides, tokens) in jobs.items():
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        (sweep / name / ".hydra" / "hydra.yaml").write_text("hydra:\n  runtime:\n    choices:\n      draft: eagle\n")
+        (sweep / name / ".hydra" / "config.yaml").write_text(
+            "draft:\n  topk: 1\n  num_steps: 3\n  num_draft_tokens: ${specpipe.draft_tokens:${.topk},${.num_steps}}\n")
+        if tokens:
+            config = {"draft": {"topk": 1, "num_draft_tokens": tokens}}
+            (sweep / name / "metrics.json").write_text(finished(5.0, config))
+        else:
+            (sweep / name / "error.json").write_text(json.dumps({"error": "specpipe: failed"}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert [table[j]["draft.num_draft_tokens"] for j in "012"] == ["6", "4", ""]
+    assert "${" not in (sweep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("output_subdir", ["null", "meta"])
+def test_jobs_without_a_hydra_folder_are_told_apart_by_their_config(tmp_path, output_subdir):
+    """hydra.output_subdir=null saves no overrides.yaml: the columns are the settings of metrics.json's config
+    that differ between jobs (not resume, which differs in a resumed sweep). Another name is found as well."""
+    sweep = tmp_path / "sweep"
+    for name, topk, tps, resume in (("0", 1, 5.0, False), ("1", 2, 6.0, True)):
+        (sweep / name).mkdir(parents=True)
+        (sweep / name / "metrics.json").write_text(finished(tps, {
+            "draft": {"topk": topk, "num_steps": 3}, "stop": ["a"], "seed": 0, "resume": resume}))
+        if output_subdir != "null":
+            (sweep / name / output_subdir).mkdir()
+            for f, text in (("overrides.yaml", f"- draft.topk={topk}\n- seed=0\n"), ("config.yaml", "{}\n"),
+                            ("hydra.yaml", "{}\n")):
+                (sweep / name / output_subdir / f).write_text(text)
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["job"], r["draft.topk"]) for r in table] == [("1", "2"), ("0", "1")]
+    assert list(table[0])[:3] == ["job", "draft.topk", "tokens_per_s"]
+    md = (sweep / "report.md").read_text()
+    assert "Best: job 1 (draft.topk=2)" in md
+    assert ("Fixed in every job: `seed=0`" in md) == (output_subdir != "null")
+
+
+def test_a_newline_in_a_swept_value_shows_escaped_in_markdown_and_exact_in_csv(tmp_path):
+    sweep = tmp_path / "sweep"
+    for name, value, tps in (("0", "a\nb", 5.0), ("1", "a b", 6.0)):
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"+tag={value}"]))
+        (sweep / name / "metrics.json").write_text(finished(tps, {}))
+    main([str(sweep)])
+    with open(sweep / "report.csv", newline="") as f:
+        assert [r["tag"] for r in csv.DictReader(f)] == ["a b", "a\nb"]
+    md = (sweep / "report.md").read_text()
+    assert "| 0 | a\\nb |" in md and "| 1 | a b |" in md
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
+    """`python -m specpipe.report DIR | head -1`: the files are written; the closed pipe ends it quietly."""
+    sweep = make_sweep(tmp_path / "sweep")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-m", "specpipe.report", str(sweep)], cwd=root, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # the reader is gone before the report prints anything
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 0 and err == "", err
+    assert (sweep / "report.md").is_file()
