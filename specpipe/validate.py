@@ -1,6 +1,7 @@
 """validate(cfg): every cross-field rule, checked before any model is built; all problems reported at once."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -159,6 +160,15 @@ def validate(cfg: DictConfig) -> None:
         if isinstance(OmegaConf.select(cfg, key, default=None), str) and not OmegaConf.select(cfg, key).strip():
             errors.append(f"{key} is empty; give a model folder (config.json + weights), e.g. {key}=/models/NAME"
                           + (", or leave it out (null) for no separate draft model" if key == "draft.path" else ""))
+    for key in PATH_KEYS:  # a name the file system refuses (too long, ...) would raise from a later is_file()
+        value = OmegaConf.select(cfg, key, default=None)
+        try:
+            if isinstance(value, str) and value != "-":
+                os.stat(value)
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # named later, with what to give instead
+        except OSError as e:
+            errors.append(f"{key}={value[:60]!r}{'...' if len(value) > 60 else ''} cannot be a path here ({e.strerror})")
     if errors:
         raise ConfigError(errors)
     _targets(cfg, "", errors)

@@ -99,6 +99,7 @@ CASES = [
     (["allocator=paged", "allocator.page_size=48"], "must be a power of two (1, 2, 4, 8, 16, ...)", True),
     (["allocator=token", "allocator.window=64"], "'allocator.window' is not a setting of allocator=token (valid keys", True),
     (["allocator.page_size=2"], "the token allocator has page size 1 (every slot on its own); use allocator=paged", True),
+    (["model=hf", "model.path=/tmp/" + "x" * 5000], "cannot be a path here (File name too long)", True),
 ]
 
 

@@ -75,6 +75,25 @@ def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None) -
     return v
 
 
+def _positive_number(raw: dict, key: str, file: Path, default: float) -> float:
+    v = raw.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise CheckpointError(f"{file}: field '{key}' must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _token_id(raw: dict, key: str, file: Path):
+    """An id or a list of ids (eos), or None; anything else would fail later, far from its cause."""
+    v = raw.get(key)
+    ids = v if isinstance(v, list) else [v]
+    if v is not None and not all(is_int(t) and t >= 0 for t in ids):
+        raise CheckpointError(f"{file}: field '{key}' must be a token id (an integer >= 0) or a list of them, "
+                              f"got {v!r}")
+    return v
+
+
 ROPE_TYPES = ("default", "dynamic", "llama3", "linear", "yarn")
 
 
@@ -158,7 +177,7 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
                               f"RoPE needs a positive even head dimension")
     theta, scaling = _rope(raw, file)
     window, types = _window(raw, family, layers, file)
-    eos = raw.get("eos_token_id")
+    eos = _token_id(raw, "eos_token_id", file)
     extra = {"architecture": (raw.get("architectures") or [None])[0], "family": family, "source": str(file.parent)}
     if isinstance(eos, list):
         extra["eos_token_ids"], eos = eos, (eos[0] if eos else None)
@@ -166,11 +185,12 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
         vocab_size=_int_field(raw, "vocab_size", file), hidden_size=hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         intermediate_size=_int_field(raw, "intermediate_size", file), head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        rms_norm_eps=_positive_number(raw, "rms_norm_eps", file, 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=_int_field(raw, "max_position_embeddings", file, 4096)
+        if raw.get("max_position_embeddings") is not None else 4096,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
         o_proj_bias=o_bias, qk_norm=family == "qwen3", mlp_bias=bool(raw.get("mlp_bias")),
-        sliding_window=window, layer_types=types, bos_token_id=raw.get("bos_token_id"), eos_token_id=eos,
+        sliding_window=window, layer_types=types, bos_token_id=_token_id(raw, "bos_token_id", file), eos_token_id=eos,
         extra=extra)
 
 

@@ -195,6 +195,12 @@ def test_config_errors(target_copy, edit_config):
     edit_config(target_copy, architectures=["LlamaForCausalLM"], sliding_window=None)
     edit_config(target_copy, rope_scaling={"rope_type": "yarn", "factor": "4x"})
     _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.factor' must be a positive number, got '4x'")
+    edit_config(target_copy, rope_scaling=None, rms_norm_eps="x")  # before: a ValueError deep in a float()
+    _raises(lambda: load_target(target_copy), cfg, "'rms_norm_eps' must be a positive number, got 'x'")
+    edit_config(target_copy, rms_norm_eps=None, max_position_embeddings="4k")
+    _raises(lambda: load_target(target_copy), cfg, "'max_position_embeddings' must be a positive integer, got '4k'")
+    edit_config(target_copy, max_position_embeddings=None, eos_token_id=[2, "</s>"])
+    _raises(lambda: load_target(target_copy), cfg, "'eos_token_id' must be a token id", "[2, '</s>']")
     (target_copy / "config.json").write_text("{not json")
     _raises(lambda: load_target(target_copy), cfg, "not valid JSON")
 
