@@ -140,6 +140,13 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             except (ValueError, TypeError) as e:  # TypeError: the tokenizers package's word for text it cannot take
                 r.finish_reason, r.error = "error", f"the prompt cannot be tokenized: {e}"
                 continue
+        bad = [t for t in it.get("stop_token_ids", ()) if t >= vocab_size]
+        if bad:
+            r.finish_reason = "error"
+            r.error = f"stop_token_ids {bad[:5]} are outside the vocabulary (valid: 0..{vocab_size - 1})"
+            continue
+        if not ignore_eos:
+            r.stop_ids = frozenset(it.get("stop_token_ids", ()))
         if not r.prompt_ids:
             r.finish_reason, r.error = "error", "empty prompt: nothing to continue from"
         elif len(r.prompt_ids) + r.max_new_tokens > max_position:

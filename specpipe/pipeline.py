@@ -82,6 +82,7 @@ class Request:
     seed: int = 0  # the request's own sampling seed
     retractions: int = 0  # times it was evicted under KV pressure and re-queued
     stop_strings: Optional[Any] = None  # a StopStrings checker when the request has stop strings
+    stop_ids: frozenset = frozenset()  # its own "stop_token_ids", which end it as the model's EOS ids do
     sampling: Optional[tuple] = None  # its own (temperature, top_p, top_k, repetition_penalty); None: the run's
     logprobs: Optional[list] = None  # with workload.logprobs: each output token's raw target log-probability
 
@@ -218,7 +219,8 @@ class Pipeline:
             if logprobs is not None:
                 req.logprobs.append(logprobs[i])
             kept += 1
-            if t in self.eos or (req.stop_strings is not None and req.stop_strings.hit(req.output_ids)):
+            if t in self.eos or t in req.stop_ids or (req.stop_strings is not None
+                                                      and req.stop_strings.hit(req.output_ids)):
                 req.finish_reason = "stop"
                 break
             if len(req.output_ids) >= req.max_new_tokens:

@@ -48,8 +48,6 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
 # fields other engines take per request that would silently do nothing here: refused unless they hold their
 # neutral value (OpenAI batch files often carry "presence_penalty": 0 or "n": 1); other fields (e.g. "id") pass
 UNSUPPORTED_FIELDS = {  # field -> (its neutral values, what to do instead)
-    "stop_token_ids": ((), "stop ids come from the model's config.json / generation_config.json; use \"stop\" "
-                           "strings"),
     "presence_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "frequency_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "logit_bias": (({}, None), "logit biases are not applied"),
@@ -130,6 +128,13 @@ def parse_prompt_line(obj, where) -> dict:
             if extra.get("max_new_tokens", m) != m:
                 return {"error": f'{n}: "max_new_tokens" and "max_tokens" disagree; give one', "prompt": ""}
             extra["max_new_tokens"] = int(m)
+    if d.get("stop_token_ids") is not None:  # vLLM's: ids that end the request as EOS does, besides the model's
+        ids = d["stop_token_ids"]
+        if not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids):
+            return {"error": f'{n}: "stop_token_ids" must be a list of token ids (integers >= 0), got '
+                             f'{json.dumps(ids)[:40]}', "prompt": ""}
+        if ids:
+            extra["stop_token_ids"] = [int(t) for t in ids]
     if "stop" in d:
         why = check_stop(d["stop"])
         if why:

@@ -309,3 +309,22 @@ def test_logprobs_through_the_api_and_streams():
         assert [x for e in events if e.index == c.index for x in e.logprobs] == c.logprobs
     with pytest.raises(SpecpipeError, match="logprobs=1 must be True or False"):
         sp.generate(PROMPTS, logprobs=1)
+
+
+@pytest.mark.parametrize("draft", [["draft=none"], ["draft=ngram"], ["draft.topk=2", "draft.num_steps=4"]])
+def test_a_prompts_stop_token_ids_end_it_where_the_first_one_is_generated(draft):
+    """vLLM's per-request stop_token_ids: the output ends with the first of them (kept, as EOS is), also in the
+    middle of a speculative run; other requests and ignore_eos are not affected; bad ids fail the request."""
+    sp = SpecPipe(*BASE, "workload.max_new_tokens=24", *draft)
+    ref = SpecPipe(*BASE, "workload.max_new_tokens=24", "draft=none").generate(PROMPTS, max_new_tokens=24)
+    ids = ref[0].output_ids
+    cut = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # a token's first appearance, not at 0
+    got = sp.generate([{"prompt": PROMPTS[0], "stop_token_ids": [ids[cut]]}, PROMPTS[1],
+                       {"prompt": PROMPTS[0], "stop_token_ids": [ids[cut], -1]},
+                       {"prompt": PROMPTS[0], "stop_token_ids": [10 ** 9]}], max_new_tokens=24)
+    assert got[0].output_ids == ids[:cut + 1] and got[0].finish_reason == "stop"
+    assert got[1].output_ids == ref[1].output_ids
+    assert 'prompt 2: "stop_token_ids" must be a list of token ids' in got[2].error
+    assert "prompt 3: stop_token_ids [1000000000] are outside the vocabulary" in got[3].error
+    free = SpecPipe(*BASE, "workload.max_new_tokens=24", "workload.ignore_eos=true", *draft)
+    assert free.generate([{"prompt": PROMPTS[0], "stop_token_ids": [ids[cut]]}])[0].output_ids == ids
