@@ -128,6 +128,7 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
                 r.finish_reason = "error"
                 r.error = f"prompt_ids {bad[:5]} are outside the vocabulary (valid: 0..{vocab_size - 1})"
                 continue
+            r.prompt = tokenizer.decode(r.prompt_ids)  # what the ids read as, for completions.jsonl and the API
         elif "messages" in it:  # rendered with the model's chat template; the text is kept as the prompt
             try:
                 r.prompt, r.prompt_ids = encode_chat(tokenizer, it["messages"], **it.get("chat", {}))

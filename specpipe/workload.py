@@ -82,6 +82,15 @@ def not_unicode(value, field: str = "") -> Optional[str]:
 
 
 def parse_prompt_line(obj, where) -> dict:
+    """See `_parse_prompt_line`; a request refused for another field keeps its prompt text in its completion."""
+    item = _parse_prompt_line(obj, where)
+    if "error" in item and isinstance(obj, dict) and isinstance(obj.get("prompt"), str) \
+            and not_unicode(obj["prompt"]) is None:
+        item["prompt"] = obj["prompt"]
+    return item
+
+
+def _parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
     "max_new_tokens" (or "max_tokens"), "stop", "temperature", "top_p", "top_k"; or its error.
 

@@ -172,7 +172,7 @@ def test_prompts_from_standard_input(tmp_path):
     p = subprocess.run(args, cwd=tmp_path, env=env, input=lines, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     recs = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert [r["prompt"] for r in recs] == ["def f(x):", ""] and all(len(r["output_ids"]) == 4 for r in recs)
+    assert [r["prompt"] for r in recs] == ["def f(x):", "\x05\x06"] and all(len(r["output_ids"]) == 4 for r in recs)
     empty = subprocess.run(args, cwd=tmp_path, env=env, input="", capture_output=True, text=True, timeout=300)
     assert empty.returncode == 2 and "standard input held no prompts" in empty.stderr
     # a launcher's worker processes never see this process's standard input (each job said it "held no prompts")

@@ -257,6 +257,7 @@ def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp
     items = read_prompts_file(str(path))
     assert "error" not in items[0]
     assert 'line 2: field "presence_penalty"=0.5 is not supported per prompt and would be ignored' in items[1]["error"]
+    assert items[1]["prompt"] == "b"  # a refused request's completion still says which prompt it was
     assert 'field "n"=2' in items[2]["error"] and "different \"seed\" values" in items[2]["error"]
     assert 'field "logit_bias"' in items[3]["error"] and "workload.logprobs=true" in items[4]["error"]
     assert 'field "min_tokens"=8' in items[5]["error"] and 'field "n"=true' in items[6]["error"]
