@@ -279,7 +279,9 @@ def markdown(header: list[str], table: list[list], fixed: dict[str, str], best: 
         return text.replace("|", "\\|")
 
     shown = " ".join(f"{k}={_escaped(best.overrides[k])}" for k in varied if k in best.overrides)
-    lines = [f"Best: job {best.name}" + (f" ({shown})" if shown else "") + f", {best.tps:.1f} tokens/s", ""]
+    over = "" if best.within_limit is not False else (
+        f" (no job kept its p90 step latency within latency_limit_ms={best.limit:g}; this one came closest)")
+    lines = [f"Best: job {best.name}" + (f" ({shown})" if shown else "") + f", {best.tps:.1f} tokens/s{over}", ""]
     if note:
         lines += [note, ""]
     if fixed:

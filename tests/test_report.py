@@ -135,7 +135,14 @@ def test_latency_limited_sweep_picks_the_fastest_job_within_the_limit(tmp_path):
         table = list(csv.DictReader(f))
     assert [r["job"] for r in table] == ["1", "2", "0", "3", "10"]  # still sorted by tokens/s
     assert [r["within_latency_limit"] for r in table] == ["no", "no", "yes", "", ""]
-    assert "Best: job 0 (draft.topk=1 draft.num_steps=3), 310.0 tokens/s" in (sweep / "report.md").read_text()
+    assert "Best: job 0 (draft.topk=1 draft.num_steps=3), 310.0 tokens/s\n" in (sweep / "report.md").read_text()
+
+
+def test_best_says_so_when_no_job_kept_the_latency_limit(tmp_path):
+    sweep = make_sweep(tmp_path, latency_limit_ms=5.0)  # every p90 is above 5 ms
+    main([str(sweep)])
+    assert ("Best: job 0 (draft.topk=1 draft.num_steps=3), 310.0 tokens/s (no job kept its p90 step latency within "
+            "latency_limit_ms=5; this one came closest)") in (sweep / "report.md").read_text()
 
 
 def test_a_job_that_lost_requests_says_so_and_is_not_best(tmp_path):
