@@ -63,7 +63,10 @@ def hydra_main(cfg: DictConfig) -> float:
         msg = str(e) if str(e).startswith("specpipe:") else f"specpipe: {e}"  # every user error reads the same
         print(msg, file=sys.stderr)
         if multirun:  # one bad point must not end an overnight sweep
-            write_error(out_dir, msg)
+            try:
+                write_error(out_dir, msg)
+            except OSError:  # the disk that could not take the outputs may not take this either
+                pass
             return float("nan")
         sys.exit(e.exit_code)
     clear_error(out_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -407,10 +408,21 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         summary["draft_cache"] = {"tokens": len(cache), "capacity": cache.capacity, "texts_added": cache.texts_added}
     summary["model_loads_in_process"] = MODEL_LOADS[0]  # 1 in every job of an in-process sweep: weights reused
     summary["config"] = to_container(cfg)
+    from specpipe.report_console import print_summary
+
     if out_dir is not None:
-        write_outputs(Path(out_dir), summary, reqs, pair.tokenizer)
+        try:
+            write_outputs(Path(out_dir), summary, reqs, pair.tokenizer)
+        except OSError as e:  # the decoding is done: show its summary, then say what could not be kept
+            if not quiet:
+                print_summary(summary, None)
+            from specpipe.errors import OutputError
+
+            raise OutputError(f"specpipe: the run finished, but its outputs could not be written to {out_dir} "
+                              f"({e.strerror or e}); the summary above is all that is left of it (requests that "
+                              f"finished are in {PartialCompletions.NAME} if it could be written). Free space or "
+                              f"choose another folder (hydra.run.dir=...) and run again") from None
     if not quiet:
-        from specpipe.report_console import print_summary
         print_summary(summary, out_dir)
     return {"metrics": summary, "requests": reqs}
 
@@ -437,12 +449,24 @@ class PartialCompletions:
         self.f = open(self.path, "w")
 
     def write(self, reqs: list[Request]) -> None:
-        for r in reqs:
-            self.f.write(json.dumps(completion_record(r, self.tokenizer)) + "\n")
-        self.f.flush()
+        if self.f is None:
+            return
+        try:
+            for r in reqs:
+                self.f.write(json.dumps(completion_record(r, self.tokenizer)) + "\n")
+            self.f.flush()
+        except OSError as e:  # a full disk must not cost the decoding still going on: go on without the file
+            print(f"specpipe: warning: cannot write {self.path} ({e.strerror or e}); decoding goes on, and the "
+                  f"outputs are written at the end if there is room then", file=sys.stderr)
+            self.close()
 
     def close(self) -> None:
-        self.f.close()
+        f, self.f = self.f, None
+        try:
+            if f is not None:
+                f.close()
+        except OSError:  # its buffered tail could not be written: the warning above said so
+            pass
 
 
 def write_outputs(out: Path, summary: dict, reqs: list[Request], tokenizer) -> None:

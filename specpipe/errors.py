@@ -26,3 +26,9 @@ class DeviceUnavailableError(SpecpipeError):
 
 class InputError(SpecpipeError):
     """A prompts file or other run input that cannot be read."""
+
+
+class OutputError(SpecpipeError):
+    """The run finished but its files could not be written (a full disk, a folder gone read-only)."""
+
+    exit_code = 1

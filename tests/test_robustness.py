@@ -311,3 +311,47 @@ def test_a_request_the_pool_cannot_finish_says_what_it_needs(tmp_path, pair):
     done = run_on(path, pair, "workload.max_new_tokens=60", "workload.ignore_eos=true", "draft.topk=4",
                   "draft.num_steps=3", "allocator=paged", "allocator.page_size=16", f"allocator.num_slots={need}")
     assert done["requests"][0].finish_reason == "length"  # the size it names is enough
+
+
+def test_a_full_disk_loses_no_decoding_and_says_what_was_not_kept(tmp_path, pair, monkeypatch, capsys):
+    """ENOSPC while a request's record is streamed out: decoding goes on (one warning); ENOSPC at the end: the
+    summary still prints and the error is one paragraph with exit code 1, not a chain of tracebacks."""
+    import errno
+
+    from specpipe import app
+    from specpipe.errors import OutputError
+
+    class FullFile:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_init = app.PartialCompletions.__init__
+
+    def full_partial(self, out, tokenizer):
+        real_init(self, out, tokenizer)
+        self.f.close()
+        self.f = FullFile()
+
+    monkeypatch.setattr(app.PartialCompletions, "__init__", full_partial)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(3)))
+    cfg = compose("model=random_tiny", f"workload.prompts_file={path}", "workload.max_new_tokens=6",
+                  "workload.ignore_eos=true")
+    out = run(cfg, out_dir=str(tmp_path / "a"), quiet=True, pair=pair)  # the end-of-run files still fit
+    assert out["metrics"]["generated_tokens"] == 18 and (tmp_path / "a" / "metrics.json").exists()
+    assert capsys.readouterr().err.count("warning: cannot write") == 1
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(app, "write_outputs", full_disk)
+    with pytest.raises(OutputError) as e:
+        run(cfg, out_dir=str(tmp_path / "b"), quiet=False, pair=pair)
+    assert e.value.exit_code == 1 and "could not be written to" in str(e.value) and "No space left" in str(e.value)
+    assert "tokens/s" in capsys.readouterr().out  # the summary of the finished run was printed first
