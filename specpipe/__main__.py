@@ -10,6 +10,7 @@ from specpipe.schema import register_schemas
 
 
 RUNNING: dict = {}  # the in-process sweep's current job: num, dir, sweep_dir
+WRITTEN: dict = {}  # job folder -> the job of this process's sweep that wrote it
 
 
 def interrupted_sweep() -> str:
@@ -45,6 +46,15 @@ def hydra_main(cfg: DictConfig) -> float:
     out_dir = hc.runtime.output_dir
     if multirun:  # which job a Ctrl-C stops (main() says so)
         RUNNING.update(num=hc.job.num, dir=out_dir, sweep_dir=hc.sweep.dir)
+        earlier = WRITTEN.setdefault(out_dir, hc.job.num)
+        if earlier != hc.job.num:  # e.g. hydra.sweep.subdir=${draft.topk} while the allocator is swept too
+            from specpipe.sweep import COLLIDED
+
+            COLLIDED.append(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) would write into {out_dir}, which "
+                            f"job {earlier} of this sweep already wrote; it was skipped so that job's results stay. "
+                            f"Make hydra.sweep.subdir differ between jobs (its default is ${{hydra.job.num}})")
+            print(f"specpipe: {COLLIDED[-1]}", file=sys.stderr)
+            return float("nan")
     done = finished_metrics(cfg, out_dir) if cfg.resume else None
     if done is not None:  # resume=true: this job finished in an earlier run of the same sweep dir
         print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)

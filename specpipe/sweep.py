@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from specpipe.validate import to_container
 
+COLLIDED: list = []  # this process's sweep: why each job that found its folder taken was skipped
 NOT_RUN_KEYS = ("resume", "latency_limit_ms")  # change how a job is scored or skipped, not what it computes
 TRACEBACK_FRAMES = 8  # the last frames of a crashed job's traceback kept in its error.json
 
@@ -237,6 +238,9 @@ class SweepSummary(Callback):
         from specpipe.report import failure_summary
 
         text = failure_summary(Path(str(config.hydra.sweep.dir)), since=self.started)
+        if COLLIDED:  # jobs that shared a folder with an earlier job: skipped, and never in an error.json
+            text = "\n".join([*([text] if text else []), *(f"specpipe: {c}" for c in COLLIDED)])
+            COLLIDED.clear()
         if text:
             print(text, file=sys.stderr)
             sys.exit(1)

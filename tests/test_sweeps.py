@@ -236,3 +236,16 @@ def test_ray_local_launcher_runs_two_jobs(tmp_path):
     p = specpipe("-m", "hydra/launcher=ray_local", "draft.topk=1,2", *SMALL, f"hydra.sweep.dir={sweep}")
     assert p.returncode == 0, p.stderr
     assert [metrics(sweep, i)["config"]["draft"]["topk"] for i in range(2)] == [1, 2]
+
+
+def test_jobs_that_would_share_a_folder_are_skipped_not_overwritten(tmp_path):
+    """hydra.sweep.subdir=${draft.topk} while the allocator is swept too: the second job of each folder would
+    overwrite the first one's results; it is skipped, named at the end, and the sweep exits 1."""
+    p = specpipe("-m", *SMALL, "draft.topk=1,2", "allocator=token,paged", "hydra.sweep.subdir=${draft.topk}",
+                 f"hydra.sweep.dir={tmp_path}")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.count("which job 0 of this sweep already wrote") == 2  # when it happens and at the end
+    assert "job 3 (" in p.stderr and "which job 2 of this sweep already wrote" in p.stderr
+    for folder in ("1", "2"):  # the first job's results stay
+        config = json.loads((tmp_path / folder / "metrics.json").read_text())["config"]
+        assert config["allocator"]["_target_"].endswith("TokenAllocator")
