@@ -95,6 +95,12 @@ def reword(exc: Exception, overrides: list[str]) -> str:
             val, typ, key = m.groups()
             kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(typ, typ)
             return f"specpipe: invalid value for {key}: {val!r} is not {kind}; give {key}=<{kind}>."
+    odd_key = next((o for o in overrides if not re.fullmatch(r"[+~]*[\w./@-]+", o.split("=", 1)[0], re.ASCII)), None)
+    if "LexerNoViableAltException" in msg and odd_key is not None:
+        key = odd_key.split("=", 1)[0]
+        return (f"specpipe: invalid override {odd_key!r}: the key {key!r} holds a character keys cannot have (a "
+                f"space, or a letter outside ASCII); keys are like draft.topk or allocator, and `python -m specpipe "
+                f"--cfg job` lists them.")
     no_eq = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
     if "missing EQUAL" in msg and no_eq is not None:
         return (f"specpipe: invalid override {no_eq!r}: overrides are key=value (e.g. draft.topk=4) or "

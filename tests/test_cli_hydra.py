@@ -42,6 +42,8 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
          (["~seed"], "~seed: a setting cannot be removed"),
          (["+draft=ngram"], "+draft=ngram: the config already chooses a draft option; write draft=ngram"),
          (["=1"], "the key before '=' is missing"),
+         (["draft.tøpk=1"], "the key 'draft.tøpk' holds a character keys cannot have"),
+         (["draft.topk =1"], "the key 'draft.topk ' holds a character keys cannot have"),
          (["hydra/launcher=ray"], "pip install -e '.[ray]'"),
          (["-m", "hydra.launcher.n_jobs=2", "draft.topk=1,2"], "'hydra.launcher.n_jobs' is not a setting of the "
                                                                "launcher in use"),
