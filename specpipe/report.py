@@ -121,10 +121,34 @@ def ran_with(job: Job, key: str) -> str:
     return ""
 
 
-def sweep_started(sweep_dir: Path) -> float:
-    """When the newest sweep into sweep_dir started, as its files are stamped: Hydra writes multirun.yaml then,
-    before any job (each sweep overwrites it). -inf when there is none, so every job is read."""
-    return _mtime(sweep_dir / "multirun.yaml")
+def newest_sweep_size(sweep_dir: Path) -> Optional[int]:
+    """How many jobs the newest sweep into sweep_dir has, from its multirun.yaml (Hydra rewrites it at every
+    sweep's start): the command line's sweeps and a preset's hydra.sweeper.params, the command line winning,
+    as the basic sweeper combines them. None when that cannot be told (no file, another sweeper, glob())."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        hydra = (yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {}).get("hydra") or {}
+        sweeper = hydra.get("sweeper") or {}
+        if "BasicSweeper" not in str(sweeper.get("_target_", "")):
+            return None
+        task = [str(o) for o in ((hydra.get("overrides") or {}).get("task") or [])]
+        params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items() if v is not None]
+        counts = {}
+        for o in OverridesParser.create().parse_overrides(params + task):  # later (the command line) wins
+            key = o.get_key_element().lstrip("+~")
+            counts[key] = len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
+    except Exception:  # unreadable, or a sweep the check cannot count: every job dir is kept
+        return None
+    return math.prod(counts.values())
+
+
+def job_number(job_dir: Path, hydra: Optional[Path]) -> Optional[int]:
+    """The job's number in its sweep (hydra.job.num), or its folder's name when that is a number."""
+    try:
+        return int(yaml.safe_load((hydra / "hydra.yaml").read_text())["hydra"]["job"]["num"])
+    except Exception:
+        return int(job_dir.name) if job_dir.name.isdigit() else None
 
 
 def _mtime(p: Path) -> float:
@@ -134,19 +158,21 @@ def _mtime(p: Path) -> float:
         return float("-inf")
 
 
-def find_jobs(sweep_dir: Path, since: float = float("-inf")) -> tuple[list[Job], int]:
-    """(every job dir under sweep_dir written at or after `since`, how many older ones were left out).
+def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int] = None) -> tuple[list[Job], int]:
+    """(every job dir under sweep_dir of the newest sweep, how many an earlier sweep left there).
 
-    A job dir has metrics.json, error.json or a Hydra folder (hydra_dir). It belongs to the sweep that started
-    at `since` when Hydra wrote its overrides.yaml, or the job wrote metrics.json or error.json, since then;
-    the leftovers of an earlier, longer sweep into the same folder are older.
+    A job dir has metrics.json, error.json or a Hydra folder (hydra_dir). The leftovers of an earlier, longer
+    sweep into the same folder are the jobs numbered `size` (the newest sweep's job count) or more; a sweep
+    still running (the failure summary) also knows when it started: a job dir it did not write since then is
+    older. (File times alone would not do for a report: a copied or cloned folder has them in any order.)
     """
     dirs = {p.parent for p in sweep_dir.rglob("metrics.json")} | {p.parent for p in sweep_dir.rglob("error.json")}
     dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml")
              if p.parent.name == ".hydra" or all((p.parent / f).is_file() for f in HYDRA_FILES)}
     found = [(d, hydra_dir(d)) for d in sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir))))]
     kept = [(d, h) for d, h in found if max(_mtime(f) for f in (
-        d / "metrics.json", d / "error.json", *([h / "overrides.yaml"] if h else []))) >= since]
+        d / "metrics.json", d / "error.json", *([h / "overrides.yaml"] if h else []))) >= since
+        and (size is None or (job_number(d, h) if job_number(d, h) is not None else -1) < size)]
     jobs = []
     for d, h in kept:
         metrics, err = job_state(d)
@@ -266,8 +292,8 @@ def _escaped(value: str) -> str:
 
 def older_note(sweep_dir: Path, older: int) -> str:
     """Says that older job dirs were left out (find_jobs), and how to see them; "" when none were."""
-    return (f"Left out: {older} older job dir(s) in {sweep_dir}, written before its newest sweep started (the "
-            "leftovers of an earlier, longer sweep, or jobs a running or resumed sweep has not reached yet); "
+    return (f"Left out: {older} older job dir(s) in {sweep_dir}, numbered past the jobs of its newest sweep "
+            "(multirun.yaml): the leftovers of an earlier, longer sweep into the same folder; "
             f"`python -m specpipe.report {sweep_dir} --all` reports them too.") if older else ""
 
 
@@ -329,7 +355,7 @@ def plot(path: Path, jobs: list[Job], varied: list[str], best: Job) -> None:
 def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Job], str]:
     """Write report.csv, report.md and report.png for sweep_dir (its newest sweep's jobs, unless every_job)
     into out; (jobs fastest first, markdown)."""
-    jobs, older = find_jobs(sweep_dir, float("-inf") if every_job else sweep_started(sweep_dir))
+    jobs, older = find_jobs(sweep_dir, size=None if every_job else newest_sweep_size(sweep_dir))
     jobs = sort_jobs(jobs)
     varied, fixed = varied_keys(jobs)
     header, table = rows(jobs, varied)
@@ -378,8 +404,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--all", action="store_true", dest="every_job",
                     help="also report the job dirs older than the newest sweep in SWEEP_DIR (an earlier sweep's)")
     args = ap.parse_args(argv)
-    since = float("-inf") if args.every_job else sweep_started(args.sweep_dir)
-    jobs, older = find_jobs(args.sweep_dir, since) if args.sweep_dir.is_dir() else ([], 0)
+    size = None if args.every_job else newest_sweep_size(args.sweep_dir)
+    jobs, older = find_jobs(args.sweep_dir, size=size) if args.sweep_dir.is_dir() else ([], 0)
     if not any(j.metrics is not None for j in jobs):
         print(no_metrics_message(args.sweep_dir, jobs, older), file=sys.stderr)
         sys.exit(2)
