@@ -259,7 +259,7 @@ class SpecPipe:
             raise SpecpipeError(f"specpipe: overrides are 'key=value' strings as on the command line "
                                 f"(e.g. 'draft.topk=4', 'allocator=paged'); got {bad[0]!r}")
         overrides = tuple(expand_home(list(overrides)))
-        err = precheck(list(overrides))
+        err = precheck(list(overrides), api=True)
         if err:
             raise SpecpipeError(err)
         self.cfg = compose_config(list(overrides))

@@ -79,9 +79,10 @@ def flags_first(argv: list[str]) -> list[str]:
     return flags + rest
 
 
-def group_options(group: str) -> list[str]:
-    d = CONF_DIR / group
-    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+def group_options(group: str, dirs: Optional[list] = None) -> list[str]:
+    """The options of a config group: its YAML files in the package's config folder (and `dirs`, a user's)."""
+    found = {p.stem for d in (dirs or [CONF_DIR]) if (Path(d) / group).is_dir() for p in (Path(d) / group).glob("*.yaml")}
+    return sorted(found)
 
 
 def reword(exc: Exception, overrides: list[str]) -> str:
@@ -141,6 +142,16 @@ def reword(exc: Exception, overrides: list[str]) -> str:
                 f"(valid: {', '.join(group_options(group))}).")
     m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", msg) or \
         re.search(r"Could not override '([^']+)'", msg)
+    params = next((o for o in overrides if o.lstrip("+").startswith("hydra.sweeper.params.")), None)
+    if (m or "Unexpected type" in msg) and params is not None:
+        plain = params.lstrip("+").removeprefix("hydra.sweeper.params.")
+        return (f"specpipe: invalid override {params}: a sweep preset's values are replaced by the same key given "
+                f"plainly; write {plain} (with -m for several values).")
+    appended = next((o for o in overrides if o.startswith("hydra.") and o.split("=")[0] in msg
+                     and not re.match(r"hydra\.(launcher|sweeper)\.", o)), None)
+    if m and appended is not None and "To append to your config use +" in msg:
+        return (f"specpipe: invalid override {appended}: '{appended.split('=')[0]}' is not in Hydra's config yet; add "
+                f"it with a '+': +{appended}.")
     plugin = next((o.split("=")[0].lstrip("+") for o in overrides if re.match(r"\+*hydra\.(launcher|sweeper)\.", o)),
                   None)
     if m and plugin is not None:
@@ -234,25 +245,46 @@ def expand_home(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose_config(overrides: list[str], config_name: str = "config", hydra: bool = False):
-    """The config these overrides give (with its `hydra` node when asked); `hydra.searchpath` in them adds
-    config folders (a user's `-cd` goes there too), as on the command line."""
-    from hydra import compose, initialize_config_dir
+def compose_config(overrides: list[str], config_name: str = "config", hydra: bool = False,
+                   config_dir: Optional[str] = None):
+    """The config these overrides give (with its `hydra` node when asked). `config_dir` (a user's `-cd`) goes on
+    the search path before the primary config is loaded, where Hydra puts it, so `-cn` may name a config there;
+    `hydra.searchpath` in the overrides adds folders as on the command line."""
+    from hydra import compose
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
 
     from specpipe.schema import register_schemas
+    from specpipe.validate import expand_user_paths
 
     register_schemas()
     GlobalHydra.instance().clear()
-    from specpipe.validate import expand_user_paths
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    search_path = create_config_search_path(f"file://{CONF_DIR}")
+    if config_dir is not None:
+        search_path.prepend(provider="command-line", path=f"file://{Path(config_dir).expanduser().absolute()}",
+                            anchor=SearchPathQuery(provider="schema"))
+    Hydra.create_main_hydra2(task_name="specpipe", config_search_path=search_path)
+    try:
         cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=hydra)
+    finally:
+        GlobalHydra.instance().clear()
     expand_user_paths(cfg)
     return cfg
 
 
-def expand(overrides: list[str], limit: int = 64, sampled: bool = False) -> list[list[str]]:
+def config_dirs(c: "CommandLine", overrides: list[str]) -> list[Path]:
+    """The package's config folder and the user's: `-cd`, and `file://` entries of hydra.searchpath."""
+    dirs = [CONF_DIR] + ([Path(c.config_dir).expanduser()] if c.config_dir else [])
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if key == "hydra.searchpath":
+            dirs += [Path(p) for p in re.findall(r"file://([^,\]\s'\"]+)", value)]
+    return dirs
+
+
+def expand(overrides: list[str], limit: int = 64, sampled: bool = False, dirs: Optional[list] = None) -> list[list[str]]:
     """Override lists for the sweep's points (all of them when few, else each value once). `sampled`: a
     sweeper that samples (Optuna) runs interval() itself, so the check leaves that key at its default."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -261,9 +293,15 @@ def expand(overrides: list[str], limit: int = 64, sampled: bool = False) -> list
     choices = []
     for o in OverridesParser.create().parse_overrides(overrides):
         key = o.get_key_element()
+        if isinstance(o.value(), Glob) and group_options(key.lstrip("+~"), dirs):  # expand_globs found no match
+            raise ValueError(f"specpipe: invalid override {o.input_line}: it matches none of {key.lstrip('+~')}'s "
+                             f"options ({', '.join(group_options(key.lstrip('+~'), dirs))}).")
         if isinstance(o.value(), Glob):  # what expand_globs left: not a config group
             raise ValueError(f"specpipe: invalid override {o.input_line}: glob() picks options of a config group "
                              f"(e.g. allocator=glob(t*)), and {key} is not one; list its values ({key}=1,2).")
+        if key.lstrip("+~").startswith("hydra.") and o.is_sweep_override():
+            raise ValueError(f"specpipe: invalid override {o.input_line}: Hydra's own settings cannot be swept; "
+                             f"sweep the run's keys (e.g. draft.topk=1,2).")
         if isinstance(o.value(), IntervalSweep):
             if sampled:
                 continue
@@ -294,6 +332,8 @@ def expand_globs(argv: list[str]) -> list[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Glob
 
+    c = parse_command(argv)
+    dirs = config_dirs(c, c.overrides)
     out = []
     for a in argv:
         if not a.startswith("-") and "glob(" in a:
@@ -301,8 +341,9 @@ def expand_globs(argv: list[str]) -> list[str]:
                 o = OverridesParser.create().parse_override(a)
             except Exception:
                 o = None  # the check names the problem
-            if o is not None and isinstance(o.value(), Glob) and group_options(o.get_key_element().lstrip("+~")):
-                picked = o.value().filter(group_options(o.get_key_element().lstrip("+~")))
+            options = group_options(o.get_key_element().lstrip("+~"), dirs) if o is not None else []
+            if o is not None and isinstance(o.value(), Glob) and options:
+                picked = o.value().filter(options)
                 a = f"{o.get_key_element()}={','.join(picked)}" if picked else a
         out.append(a)
     return out
@@ -352,9 +393,6 @@ def output_folder_problem(key: str, value: str) -> Optional[str]:
     literal = value.split("${", 1)[0]
     if "${" in value:
         literal = literal.rsplit("/", 1)[0] if "/" in literal else ""
-    if not value.strip():
-        return (f"specpipe: invalid configuration: {key} is empty; give a folder for the outputs (or leave it out: "
-                f"outputs/DATE/TIME)")
     try:
         path = Path(literal or ".").expanduser().absolute()
         if path.exists() and not path.is_dir():
@@ -391,8 +429,9 @@ def hydra_problem(cfg, c: CommandLine, multirun: bool) -> Optional[str]:
     return None if value is None else output_folder_problem(key, str(value))
 
 
-def precheck(argv: list[str]) -> Optional[str]:
-    """The reworded error for the first bad override combination, or None when all compose and validate."""
+def precheck(argv: list[str], api: bool = False) -> Optional[str]:
+    """The reworded error for the first bad override combination, or None when all compose and validate.
+    `api`: overrides of SpecPipe(...), which writes no Hydra output folder."""
     c = parse_command(argv)
     if c.skip:
         return None
@@ -407,27 +446,23 @@ def precheck(argv: list[str]) -> Optional[str]:
         if not key.strip("~ "):
             return (f"specpipe: invalid override {o!r}: the key before '=' is missing; overrides are key=value "
                     f"(e.g. draft.topk=4) or group=option (e.g. allocator=paged)")
-        if key in ("hydra.run.dir", "hydra.sweep.dir"):
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and not (api or c.prints):
             why = output_folder_problem(key, value)
             if why:
                 return why
-        if o.startswith("~") and not key.lstrip("~").startswith("hydra"):
+        name = key.lstrip("~")
+        if o.startswith("~") and not name.startswith("hydra") and not (CONF_DIR / name).is_dir():
             return (f"specpipe: invalid override {o}: a setting cannot be removed (the schema needs every key); "
                     f"set a value instead, {key.lstrip('~')}=VALUE.")
-    if c.config_dir is not None:  # -cd: searched first, as Hydra does
-        entry = "file://" + str(Path(c.config_dir).expanduser().absolute())
-        given = next((i for i, o in enumerate(overrides) if o.lstrip("+").startswith("hydra.searchpath=")), None)
-        if given is None:
-            overrides.append(f"hydra.searchpath=[{entry}]")
-        else:
-            inner = overrides[given].split("=", 1)[1].strip().removeprefix("[").removesuffix("]")
-            overrides[given] = f"hydra.searchpath=[{entry}{',' + inner if inner.strip() else ''}]"
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:
         return reword(e, overrides)
+    for p in parsed:  # a preset's sweeper.params from the command line: Hydra's own error is "Unexpected type"
+        if p.get_key_element().startswith("hydra.sweeper.params."):
+            return reword(ValueError("Unexpected type"), [p.input_line])
     first = []  # the first point: every override with its first value (a sweep's keys can need its groups)
     for p in parsed:
         try:
@@ -436,7 +471,7 @@ def precheck(argv: list[str]) -> Optional[str]:
         except Exception:  # glob() on a key, interval(), an empty range: expand() names the problem
             pass
     try:
-        base = compose_config(first, c.config_name, hydra=True)
+        base = compose_config(first, c.config_name, hydra=True, config_dir=c.config_dir)
     except Exception as e:
         return reword(e, first)
     multirun = c.multirun or str(base.hydra.mode) == "RunMode.MULTIRUN"  # sweep presets set hydra.mode
@@ -452,7 +487,11 @@ def precheck(argv: list[str]) -> Optional[str]:
     if swept and not multirun:
         return (f"specpipe: invalid override {swept[0].input_line}: several values (or a sweep function) make a "
                 f"sweep, so add -m: python -m specpipe -m {' '.join(argv)}")
-    why = hydra_problem(base, c, multirun)
+    hydra_swept = next((p for p in swept if p.get_key_element().lstrip("+~").startswith("hydra")), None)
+    if hydra_swept is not None:
+        return (f"specpipe: invalid override {hydra_swept.input_line}: Hydra's own settings cannot be swept; sweep "
+                f"the run's keys (e.g. draft.topk=1,2).")
+    why = None if (api or c.prints) else hydra_problem(base, c, multirun)
     if why:
         return why
     if multirun and "BasicLauncher" not in str(base.hydra.launcher.get("_target_", "")) \
@@ -465,7 +504,7 @@ def precheck(argv: list[str]) -> Optional[str]:
     hydra_own = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
     sampled = "BasicSweeper" not in str(base.hydra.sweeper.get("_target_", ""))
     try:
-        combos = expand(own, sampled=sampled) if multirun else [own]
+        combos = expand(own, sampled=sampled, dirs=config_dirs(c, overrides)) if multirun else [own]
     except ValueError as e:
         return str(e) if str(e).startswith("specpipe:") else reword(e, own)
     except Exception as e:
@@ -475,7 +514,7 @@ def precheck(argv: list[str]) -> Optional[str]:
 
     for combo in combos:
         try:
-            cfg = compose_config(combo + hydra_own, c.config_name)
+            cfg = compose_config(combo + hydra_own, c.config_name, config_dir=c.config_dir)
         except Exception as e:
             return reword(e, combo)
         if not multirun and not c.prints:

@@ -20,6 +20,9 @@ def myconf(tmp_path_factory):
     (root / "draft").mkdir()
     (root / "draft" / "mytree.yaml").write_text("defaults: [base_eagle, _self_]\ntopk: 2\nnum_steps: 4\n"
                                                 "num_draft_tokens: 6\n")
+    (root / "myrun.yaml").write_text("defaults:\n  - config\n  - override model: random_tiny\n  - _self_\n")
+    (root / "model").mkdir()
+    (root / "model" / "mytiny.yaml").write_text("defaults: [random_tiny, _self_]\n")
     (root / "experiment").mkdir()
     (root / "experiment" / "foo.yaml").write_text("# @package _global_\ndefaults:\n  - override /draft: ngram\n"
                                                   "  - override /allocator: paged\ndraft:\n  topk: 2\n")
@@ -30,7 +33,11 @@ WORKS = [["sweep=compile_policies", "compile=eager,split"],  # a preset is a swe
          ["hydra.mode=MULTIRUN", "draft.topk=1,2"], ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
                                                      "draft.topk=1,2"],
          ["-cd", "{myconf}", "draft=mytree"], ["-cd", "{myconf}", "+experiment=foo"],
-         ["hydra.searchpath=[file://{myconf}]", "+experiment=foo"], ["--cfg", "job", "draft=ngram"]]
+         ["hydra.searchpath=[file://{myconf}]", "+experiment=foo"], ["--cfg", "job", "draft=ngram"],
+         ["-cd", "{myconf}", "-cn", "myrun", "--cfg", "job"],  # a primary config of the user's own
+         ["-cd", "{myconf}", "--config-name=myrun"], ["-m", "-cd", "{myconf}", "model=mytiny,random_tiny"],
+         ["~sweep", "--cfg", "job"], ["hydra.run.dir="], ["+hydra.job.env_set.OMP_NUM_THREADS=1"],
+         ["--cfg", "job", "hydra.run.dir={file}/x"]]  # printing a config makes no output folder
 FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per command"),
          (["draft.topk=1,2"], "several values (or a sweep function) make a sweep, so add -m"),
          (["-cd", "/no/such/folder"], "--config-dir '/no/such/folder' is not a folder"),
@@ -48,7 +55,10 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
          (["-m", "hydra.launcher.n_jobs=2", "draft.topk=1,2"], "'hydra.launcher.n_jobs' is not a setting of the "
                                                                "launcher in use"),
          (["hydra.run.dir={file}/sub"], "which is a file; outputs need a folder"),
-         (["hydra.run.dir="], "hydra.run.dir is empty"),
+         (["hydra.job.env_set.OMP_NUM_THREADS=1"], "add it with a '+': +hydra.job.env_set.OMP_NUM_THREADS=1"),
+         (["sweep=tree_shape", "hydra.sweeper.params.draft.topk=1"], "write draft.topk=1"),
+         (["-m", "hydra.sweeper.params.draft.topk=1,2"], "write draft.topk=1,2"),
+         (["-m", "allocator=glob(x*)"], "it matches none of allocator's options (hisparse, paged, swa, token)"),
          (["hydra.sweep.dir=/tmp/" + "x" * 5000, "-m", "draft.topk=1,2"], "cannot be a folder (File name too long)"),
          (["--cfg", "job", "allocator=foo"], "config group 'allocator' has no option 'foo'"),
          (["--info", "config", "draft=bogus"], "config group 'draft' has no option 'bogus'"),
@@ -56,8 +66,21 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
 
 
 @pytest.mark.parametrize("args", WORKS, ids=[" ".join(a) for a in WORKS])
-def test_hydra_usage_that_works_passes_the_check(args, myconf):
-    assert precheck(SMALL + [a.format(myconf=myconf) for a in args]) is None
+def test_hydra_usage_that_works_passes_the_check(args, myconf, tmp_path):
+    (tmp_path / "f").write_text("")
+    assert precheck(SMALL + [a.format(myconf=myconf, file=tmp_path / "f") for a in args]) is None
+
+
+def test_the_api_makes_no_output_folder_so_its_place_is_not_checked(tmp_path):
+    (tmp_path / "f").write_text("")
+    assert precheck([f"hydra.run.dir={tmp_path / 'f'}/x"], api=True) is None
+    assert "which is a file" in precheck([f"hydra.run.dir={tmp_path / 'f'}/x"])
+
+
+def test_globs_see_the_users_config_folders(myconf):
+    assert expand_globs(["-m", "-cd", str(myconf), "model=glob(my*)"])[-1] == "model=mytiny"
+    assert expand_globs([f"hydra.searchpath=[file://{myconf}]", "model=glob(*tiny,exclude=[tiny])"])[-1] == \
+        "model=mytiny,random_tiny"
 
 
 @pytest.mark.parametrize("args,fragment", FAILS, ids=[" ".join(a)[:60] for a, _ in FAILS])

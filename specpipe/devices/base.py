@@ -105,17 +105,19 @@ class BatchGeneric:
         return self.compiled(*args, **kwargs)
 
 
-_THREADS_BEFORE: list[int] = []  # torch's thread count before specpipe first changed it
+_THREADS_BEFORE: list[int] = []  # [torch's thread count before specpipe first changed it, the count it set last]
 
 
 def set_threads(num_threads: Optional[int]) -> None:
     """Host threads for torch's CPU ops (1 is fastest on a shared machine). None gives back the count that was
-    there before a device set one, so an earlier job of an in-process sweep (or SpecPipe) does not leak into it."""
+    there before a device set one, so an earlier job of an in-process sweep (or SpecPipe) does not leak into it;
+    a count the user set since then is theirs and stays."""
     if num_threads is not None:
         if not _THREADS_BEFORE:
-            _THREADS_BEFORE.append(torch.get_num_threads())
+            _THREADS_BEFORE[:] = [torch.get_num_threads(), num_threads]
+        _THREADS_BEFORE[1] = num_threads
         torch.set_num_threads(num_threads)
-    elif _THREADS_BEFORE:
+    elif _THREADS_BEFORE and torch.get_num_threads() == _THREADS_BEFORE[1]:
         torch.set_num_threads(_THREADS_BEFORE[0])
 
 

@@ -233,5 +233,9 @@ def test_cpu_device_sets_torch_threads_when_asked(monkeypatch):
         assert torch.get_num_threads() == before
         CpuDevice("float32")
         assert torch.get_num_threads() == before
+        CpuDevice("float32", num_threads=before + 1)
+        torch.set_num_threads(before + 3)  # the user's own choice, made after the device's
+        CpuDevice("float32")
+        assert torch.get_num_threads() == before + 3
     finally:
         torch.set_num_threads(before)
