@@ -65,18 +65,19 @@ def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
 def flags_first(argv: list[str]) -> list[str]:
     """Hydra's parser takes flags only before the overrides (`draft.topk=2 -m x=1,2` is an argparse error);
     move every flag, with its value, in front."""
-    flags, rest, i = [], [], 0
+    flags, rest, last, i = [], [], [], 0
     while i < len(argv):
         a = argv[i]
         if a.startswith("-"):
             n = 2 if (a in FLAGS_WITH_VALUE and i + 1 < len(argv)
                       and not (a in OPTIONAL_VALUE and ("=" in argv[i + 1] or argv[i + 1].startswith("-")))) else 1
-            flags += argv[i:i + n]
+            # a bare --info goes last: in front of the overrides it would take the first one as its value
+            (last if n == 1 and a in OPTIONAL_VALUE else flags).extend(argv[i:i + n])
             i += n
         else:
             rest.append(a)
             i += 1
-    return flags + rest
+    return flags + rest + last
 
 
 def group_options(group: str, dirs: Optional[list] = None) -> list[str]:
@@ -142,11 +143,6 @@ def reword(exc: Exception, overrides: list[str]) -> str:
                 f"(valid: {', '.join(group_options(group))}).")
     m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", msg) or \
         re.search(r"Could not override '([^']+)'", msg)
-    params = next((o for o in overrides if o.lstrip("+").startswith("hydra.sweeper.params.")), None)
-    if (m or "Unexpected type" in msg) and params is not None:
-        plain = params.lstrip("+").removeprefix("hydra.sweeper.params.")
-        return (f"specpipe: invalid override {params}: a sweep preset's values are replaced by the same key given "
-                f"plainly; write {plain} (with -m for several values).")
     appended = next((o for o in overrides if o.startswith("hydra.") and o.split("=")[0] in msg
                      and not re.match(r"hydra\.(launcher|sweeper)\.", o)), None)
     if m and appended is not None and "To append to your config use +" in msg:
@@ -299,9 +295,6 @@ def expand(overrides: list[str], limit: int = 64, sampled: bool = False, dirs: O
         if isinstance(o.value(), Glob):  # what expand_globs left: not a config group
             raise ValueError(f"specpipe: invalid override {o.input_line}: glob() picks options of a config group "
                              f"(e.g. allocator=glob(t*)), and {key} is not one; list its values ({key}=1,2).")
-        if key.lstrip("+~").startswith("hydra.") and o.is_sweep_override():
-            raise ValueError(f"specpipe: invalid override {o.input_line}: Hydra's own settings cannot be swept; "
-                             f"sweep the run's keys (e.g. draft.topk=1,2).")
         if isinstance(o.value(), IntervalSweep):
             if sampled:
                 continue
@@ -460,9 +453,11 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:
         return reword(e, overrides)
-    for p in parsed:  # a preset's sweeper.params from the command line: Hydra's own error is "Unexpected type"
-        if p.get_key_element().startswith("hydra.sweeper.params."):
-            return reword(ValueError("Unexpected type"), [p.input_line])
+    for p in parsed:  # Hydra's own error for these is "Unexpected type: None" or "Could not override"
+        if p.get_key_element().lstrip("+~").startswith("hydra.sweeper.params."):
+            plain = p.input_line.lstrip("+~").removeprefix("hydra.sweeper.params.")
+            return (f"specpipe: invalid override {p.input_line}: a sweep preset's values are replaced by the same "
+                    f"key given plainly; write {plain} (with -m for several values).")
     first = []  # the first point: every override with its first value (a sweep's keys can need its groups)
     for p in parsed:
         try:

@@ -130,13 +130,14 @@ def newest_sweep_size(sweep_dir: Path) -> Optional[int]:
 
         hydra = (yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {}).get("hydra") or {}
         sweeper = hydra.get("sweeper") or {}
-        if "BasicSweeper" not in str(sweeper.get("_target_", "")):
-            return None
+        if "BasicSweeper" not in str(sweeper.get("_target_", "")) or \
+                (hydra.get("sweep") or {}).get("subdir", "${hydra.job.num}") != "${hydra.job.num}":
+            return None  # another sweeper, or job folders not named by job number: keep them all
         task = [str(o) for o in ((hydra.get("overrides") or {}).get("task") or [])]
         params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items() if v is not None]
         counts = {}
         for o in OverridesParser.create().parse_overrides(params + task):  # later (the command line) wins
-            key = o.get_key_element().lstrip("+~")
+            key = o.get_key_element()  # prefix kept, as the sweeper keys them: ++k and k are two sweeps
             counts[key] = len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
     except Exception:  # unreadable, or a sweep the check cannot count: every job dir is kept
         return None

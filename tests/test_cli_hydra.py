@@ -99,7 +99,8 @@ def test_slurm_launcher_without_slurm_says_so():
 
 def test_flags_go_first_and_globs_pick_real_options_only():
     assert flags_first(["draft.topk=2", "-m", "allocator=token", "--cfg", "job", "-cd", "x", "--info"]) == \
-        ["-m", "--cfg", "job", "-cd", "x", "--info", "draft.topk=2", "allocator=token"]
+        ["-m", "--cfg", "job", "-cd", "x", "draft.topk=2", "allocator=token", "--info"]  # a bare --info stays last
+    assert flags_first(["draft.topk=2", "--info", "defaults-tree"]) == ["--info", "defaults-tree", "draft.topk=2"]
     assert expand_globs(["allocator=glob(*)"]) == ["allocator=hisparse,paged,swa,token"]  # no base_* entries
     assert expand_globs(["draft=glob(*,exclude=[none,standalone])", "x=1"]) == ["draft=eagle,ngram,suffix", "x=1"]
 

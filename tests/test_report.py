@@ -204,6 +204,23 @@ def test_a_new_sweep_into_the_same_folder_reports_only_its_jobs(tmp_path, capsys
     assert "older" not in (sweep / "report.md").read_text()
 
 
+@pytest.mark.parametrize("hydra, size", [
+    ({"overrides": {"task": ["++draft.topk=1,2"]}, "sweeper": {"params": {"draft.topk": "1,2,4",
+                                                                          "draft.num_steps": "2,3"}}}, 12),
+    ({"overrides": {"task": ["draft.topk=1,2"]}, "sweeper": {"params": {"draft.topk": "1,2,4"}}}, 2),
+    ({"overrides": {"task": ["draft.topk=range(1,4)", "x=choice(a,b)"]}}, 6),
+    ({"overrides": {"task": ["draft.topk=1,2"]}, "sweep": {"subdir": "${draft.topk}"}}, None),  # not numbered
+])
+def test_the_newest_sweeps_size_is_counted_as_the_basic_sweeper_combines(tmp_path, hydra, size):
+    """++k and k are two sweeps to the sweeper; the command line replaces a preset's key; job folders named
+    otherwise than by number are never left out."""
+    from specpipe.report import newest_sweep_size
+
+    sweeper = {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", **hydra.pop("sweeper", {})}
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": sweeper, **hydra}}))
+    assert newest_sweep_size(tmp_path) == size
+
+
 def finished(tps: float, config: dict) -> str:
     return json.dumps({"tokens_per_s": tps, "accept_length_mean": 2.0, "step_latency_ms_p90": 1.0,
                        "num_verify_steps": 3, "recompiles": 0, "wall_s": 0.1, "config": config})
