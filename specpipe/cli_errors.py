@@ -403,7 +403,7 @@ def output_folder_problem(key: str, value: str) -> Optional[str]:
     return None
 
 
-def hydra_problem(cfg, c: CommandLine, multirun: bool) -> Optional[str]:
+def hydra_problem(cfg, multirun: bool) -> Optional[str]:
     """Launcher and output-folder settings that would fail inside Hydra, with a traceback."""
     import shutil
 
@@ -435,14 +435,10 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
                     f"folder that holds your config groups (e.g. myconf/ with myconf/experiment/foo.yaml)")
     overrides = list(c.overrides)
     for o in overrides:
-        key, _, value = o.lstrip("+").partition("=")
+        key = o.lstrip("+").partition("=")[0]
         if not key.strip("~ "):
             return (f"specpipe: invalid override {o!r}: the key before '=' is missing; overrides are key=value "
                     f"(e.g. draft.topk=4) or group=option (e.g. allocator=paged)")
-        if key in ("hydra.run.dir", "hydra.sweep.dir") and not (api or c.prints):
-            why = output_folder_problem(key, value)
-            if why:
-                return why
         name = key.lstrip("~")
         if o.startswith("~") and not name.startswith("hydra") and not (CONF_DIR / name).is_dir():
             return (f"specpipe: invalid override {o}: a setting cannot be removed (the schema needs every key); "
@@ -486,7 +482,7 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     if hydra_swept is not None:
         return (f"specpipe: invalid override {hydra_swept.input_line}: Hydra's own settings cannot be swept; sweep "
                 f"the run's keys (e.g. draft.topk=1,2).")
-    why = None if (api or c.prints) else hydra_problem(base, c, multirun)
+    why = None if (api or c.prints) else hydra_problem(base, multirun)
     if why:
         return why
     if multirun and "BasicLauncher" not in str(base.hydra.launcher.get("_target_", "")) \
