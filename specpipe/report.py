@@ -171,9 +171,15 @@ def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int]
     dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml")
              if p.parent.name == ".hydra" or all((p.parent / f).is_file() for f in HYDRA_FILES)}
     found = [(d, hydra_dir(d)) for d in sorted(dirs, key=lambda d: _natural(str(d.relative_to(sweep_dir))))]
-    kept = [(d, h) for d, h in found if max(_mtime(f) for f in (
-        d / "metrics.json", d / "error.json", *([h / "overrides.yaml"] if h else []))) >= since
-        and (size is None or (job_number(d, h) if job_number(d, h) is not None else -1) < size)]
+
+    def newest(d: Path, h: Optional[Path]) -> bool:
+        n = job_number(d, h) if size is not None else None
+        if n is not None and n >= size:
+            return False
+        return max(_mtime(f) for f in (d / "metrics.json", d / "error.json",
+                                       *([h / "overrides.yaml"] if h else []))) >= since
+
+    kept = [(d, h) for d, h in found if newest(d, h)]
     jobs = []
     for d, h in kept:
         metrics, err = job_state(d)
