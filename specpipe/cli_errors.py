@@ -32,18 +32,26 @@ class CommandLine:
     config_name: str = "config"
 
 
-def parse_command(argv: list[str]) -> CommandLine:
-    c, i = CommandLine(), 0
+def words(argv: list[str]) -> list[list[str]]:
+    """argv grouped as Hydra's parser reads it: a flag with the value it takes, or one override."""
+    out, i = [], 0
     while i < len(argv):
-        a = argv[i]
-        flag, eq, inline = a.partition("=")
-        value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-        takes = a.startswith("-") and flag in FLAGS_WITH_VALUE and not eq
-        if takes and flag in OPTIONAL_VALUE and (value is None or "=" in value or value.startswith("-")):
-            takes = False
-        if a in ("-m", "--multirun"):
+        a, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        takes = a in FLAGS_WITH_VALUE and nxt is not None and not (
+            a in OPTIONAL_VALUE and ("=" in nxt or nxt.startswith("-")))
+        out.append(argv[i:i + 1 + takes])
+        i += 1 + takes
+    return out
+
+
+def parse_command(argv: list[str]) -> CommandLine:
+    c = CommandLine()
+    for w in words(argv):
+        flag, eq, inline = w[0].partition("=")
+        value = inline if eq else (w[1] if len(w) > 1 else None)
+        if w[0] in ("-m", "--multirun"):
             c.multirun = True
-        elif a.startswith("-"):
+        elif w[0].startswith("-"):
             c.skip |= flag in SKIP_FLAGS
             c.prints |= flag in PRINT_FLAGS
             if flag in ("--config-dir", "-cd"):
@@ -51,8 +59,7 @@ def parse_command(argv: list[str]) -> CommandLine:
             elif flag in ("--config-name", "-cn"):
                 c.config_name = value or "config"
         else:
-            c.overrides.append(a)
-        i += 2 if takes else 1
+            c.overrides.append(w[0])
     return c
 
 
@@ -65,18 +72,10 @@ def split_args(argv: list[str]) -> tuple[list[str], bool, bool]:
 def flags_first(argv: list[str]) -> list[str]:
     """Hydra's parser takes flags only before the overrides (`draft.topk=2 -m x=1,2` is an argparse error);
     move every flag, with its value, in front."""
-    flags, rest, last, i = [], [], [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a.startswith("-"):
-            n = 2 if (a in FLAGS_WITH_VALUE and i + 1 < len(argv)
-                      and not (a in OPTIONAL_VALUE and ("=" in argv[i + 1] or argv[i + 1].startswith("-")))) else 1
-            # a bare --info goes last: in front of the overrides it would take the first one as its value
-            (last if n == 1 and a in OPTIONAL_VALUE else flags).extend(argv[i:i + n])
-            i += n
-        else:
-            rest.append(a)
-            i += 1
+    flags, rest, last = [], [], []
+    for w in words(argv):
+        # a bare --info goes last: in front of the overrides it would take the first one as its value
+        (rest if not w[0].startswith("-") else last if len(w) == 1 and w[0] in OPTIONAL_VALUE else flags).extend(w)
     return flags + rest + last
 
 
