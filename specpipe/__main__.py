@@ -100,7 +100,7 @@ def main() -> None:
     from specpipe.cli_errors import expand_globs, expand_home, flags_first, precheck, split_args, usage
 
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
-        print(usage())
+        print(usage(sys.argv[1:]))
         return
 
     sys.argv[1:] = expand_globs(flags_first(expand_home(sys.argv[1:])))

@@ -15,11 +15,11 @@ from typing import Optional
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"  # in the package, so an installed wheel has it (conf/ links here)
 FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-name", "-cn", "--config-path", "-cp",
-                    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i", "--shell-completion", "-sc"}
+                    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
 SKIP_FLAGS = {"--help", "-h", "--hydra-help", "--config-path", "-cp", "--shell-completion", "-sc", "--version",
               "--experimental-rerun"}  # Hydra answers these itself (or they name configs the check cannot find)
 PRINT_FLAGS = {"--cfg", "-c", "--info", "-i"}  # print a config: its overrides must compose, the run rules wait
-OPTIONAL_VALUE = {"--info", "-i", "--shell-completion", "-sc"}  # the value may be left out
+OPTIONAL_VALUE = {"--info", "-i"}  # the value may be left out
 
 
 @dataclass
@@ -341,22 +341,26 @@ def expand_globs(argv: list[str]) -> list[str]:
     return out
 
 
-def usage() -> str:
+def usage(argv: Optional[list] = None) -> str:
     """`python -m specpipe --help`: how to run it and every config group's options (Hydra's own help lists
-    the schemas' base_* entries too, which are not options)."""
+    the schemas' base_* entries too, which are not options). `argv`: the command, whose `-cd` and
+    hydra.searchpath folders add groups and options."""
     from omegaconf import OmegaConf
 
+    c = parse_command(list(argv or []))
+    dirs = [d for d in config_dirs(c, c.overrides) if d.is_dir()]
     defaults = {}
     for d in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
         if isinstance(d, dict) or OmegaConf.is_dict(d):
             (group, option), = dict(d).items()
             defaults[group] = option
-    groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+    groups = sorted({p.name for d in dirs for p in d.iterdir()
+                     if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))})
     width = max(map(len, groups))
     lines = []
     for g in groups:
         default = defaults.get(g)
-        opts = [o for o in group_options(g) if o != default]
+        opts = [o for o in group_options(g, dirs) if o != default]
         first = [f"{default} (default)"] if default else ["(none by default)"]
         lines.append(f"  {g:<{width}}  {', '.join(first + opts)}")
     return "\n".join([
@@ -425,6 +429,12 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     """The reworded error for the first bad override combination, or None when all compose and validate.
     `api`: overrides of SpecPipe(...), which writes no Hydra output folder."""
     c = parse_command(argv)
+    if any(a in ("--shell-completion", "-sc") for a in argv):  # Hydra reads what to do from the overrides
+        todo = [o for o in c.overrides if o.partition("=")[0] in ("install", "uninstall", "query")]
+        if len(todo) != 1:
+            return (f"specpipe: invalid command: --shell-completion needs one of install=SHELL, uninstall=SHELL "
+                    f"(SHELL: bash, zsh or fish), and got {' '.join(todo) if todo else 'none'}; e.g. "
+                    f"eval \"$(python -m specpipe -sc install=bash)\"")
     if c.skip:
         return None
     if c.config_dir is not None:

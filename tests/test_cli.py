@@ -41,6 +41,8 @@ def test_run_writes_metrics_and_completions(tmp_path, extra):
     (["allocator._target_=os.system"], "refused"),
     (["device=cuda"], "device=cuda cannot be used"),
     (["device=npu"], "device=npu cannot be used"),
+    (["-sc"], "--shell-completion needs one of install=SHELL"),  # Hydra: ValueError traceback
+    (["--shell-completion", "instal=bash"], "--shell-completion needs one of install=SHELL"),
 ])
 def test_user_mistakes_exit_2_without_traceback(tmp_path, args, fragment):
     p = specpipe(*SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
@@ -58,6 +60,17 @@ def test_help_lists_every_group_option_and_no_schema_entries(tmp_path):
         assert sorted(o.strip().replace(" (default)", "") for o in line.split(None, 1)[1].split(",")
                       if "none by default" not in o) == sorted(f.stem for f in group.glob("*.yaml"))
     assert "base_" not in p.stdout and "eagle (default)" in p.stdout and "--cfg job" in p.stdout
+
+
+def test_help_lists_the_groups_of_a_config_dir(tmp_path):
+    (tmp_path / "mine" / "experiment").mkdir(parents=True)
+    (tmp_path / "mine" / "experiment" / "fast.yaml").write_text("# @package _global_\nseed: 1\n")
+    (tmp_path / "mine" / "draft").mkdir()
+    (tmp_path / "mine" / "draft" / "wide.yaml").write_text("defaults:\n  - eagle\ntopk: 8\n")
+    p = specpipe("-cd", str(tmp_path / "mine"), "--help", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = {x.split()[0]: x for x in p.stdout.splitlines() if x.startswith("  ") and x.split()}
+    assert "fast" in lines["experiment"] and "wide" in lines["draft"] and "ngram" in lines["draft"]
 
 
 def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
