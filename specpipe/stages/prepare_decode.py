@@ -142,10 +142,11 @@ class PrepareDecode(Stage):
         from specpipe.pipeline import bucket  # (pipeline imports this module)
 
         ps, B, dev = self.ps, len(L), self.device
-        extend = self._extend(rows) if ps > 1 else None  # before the backup: hot buffers are not scratch
-        state = self.alloc.backup_state()
         first = int(root)
-        if ps == 1:
+        flat = ps == 1 or width + first == 0  # nothing to hold (one draft step): no pages, as the budget assumed
+        extend = None if flat else self._extend(rows)  # before the backup: hot buffers are not scratch
+        state = self.alloc.backup_state()
+        if flat:
             n = B * width * topk
             take = self.alloc.logical.alloc if self.logical_only else self.alloc.alloc
             slots = take(n) if n else torch.empty(0, dtype=torch.int64, device=dev)  # (hisparse: logical ids)

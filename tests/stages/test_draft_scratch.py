@@ -142,3 +142,16 @@ def tiny_pair():
     from specpipe.models.hf import load_tiny
 
     return load_tiny(dtype="float64")
+
+
+@pytest.mark.parametrize("ps", [4, 16])
+def test_one_draft_step_takes_no_scratch_when_the_pool_is_full(ps):
+    """num_steps=1 drafts no column, so the step budget counts no scratch; asking the allocator for the
+    branches' pages anyway failed on a full pool, and the run died with OutOfKVMemory instead of retracting."""
+    alloc = PagedAllocator(2 * ps, ps)
+    prep, rows, rows_t, L, L_t = prepared(alloc, [ps + 1])  # owns both pages
+    assert alloc.available() == 0 and scratch_tokens_per_request(ps, 4, 0) == 0
+    sc = prep.draft_scratch(rows, rows_t, L, L_t, 4, 0)
+    assert sc is not None and alloc.available() == 0
+    prep.end_scratch(sc.state)
+    assert alloc.available() == 0 and prep.reserve(rows, np.asarray([ps - 1]))  # the verify still fits
