@@ -220,4 +220,5 @@ class StandaloneProposer:
 
     def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
         ids = torch.cat([old_last[:, None], commit], 1)[u, : self.S + 1]
-        self.sd.extend_committed(pipe.prep.table, rows_t[u], L_t[u], ids, kept_t[u])
+        self.sd.extend_committed(pipe.prep.table, rows_t[u], L_t[u], ids, kept_t[u],
+                                 int(pipe.prep.seq_len[pipe.rows].max()))  # host lengths, already committed

@@ -24,6 +24,8 @@ READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "
     ["draft=none"],
     ["draft.topk=4", "draft.num_steps=3", "workload.logprobs=true"],  # log-probabilities ride along
     ["draft=none", "workload.logprobs=true"],
+    ["draft=standalone", "draft.num_steps=3"],  # the draft model's extend took its length from the device
+    ["draft=standalone", "draft.num_steps=3", "allocator=paged", "allocator.page_size=4"],
 ])
 def test_one_host_read_per_step(monkeypatch, overrides):
     counts, in_step = Counter(), [False]

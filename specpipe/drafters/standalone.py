@@ -67,13 +67,14 @@ class StandaloneDrafter(Stage):
         """Prompt prefill with the target's own prefill batch (positions [0, T), same slots)."""
         self.extend(ids, batch)
 
-    def extend_committed(self, table: Tensor, rows_t: Tensor, starts: Tensor, ids: Tensor, lens: Tensor) -> None:
+    def extend_committed(self, table: Tensor, rows_t: Tensor, starts: Tensor, ids: Tensor, lens: Tensor,
+                         max_len: int) -> None:
         """After verify and `prep.commit`: ids [B', Q] tokens at positions starts + [0, lens), i.e.
-        cat([root, commit], 1)[:, :Q] with lens = accepted + 1 (root and accepted drafts)."""
+        cat([root, commit], 1)[:, :Q] with lens = accepted + 1 (root and accepted drafts). `max_len`: a host
+        bound on starts + lens (the committed lengths), so the step reads nothing back from the device."""
         if ids.shape[0] == 0:
             return
-        kv_len = bucket(int((starts + lens).max()))
-        self.extend(ids, extend_batch(table, rows_t, starts, lens, ids.shape[1], kv_len))
+        self.extend(ids, extend_batch(table, rows_t, starts, lens, ids.shape[1], bucket(max_len)))
 
     def _select(self, logits: Tensor, sampling, coin_col: int, L_t: Tensor):
         """logits [R, V] -> (probs [R, K], ids [R, K], full q [R, V] or None)."""

@@ -84,7 +84,7 @@ class Harness:
         ids = torch.cat([root[:, None], drafts], 1)[:, :self.S + 1]
         with torch.no_grad():
             self.drafter.extend_committed(self.prep.table, self.rows_t, torch.from_numpy(L), ids,
-                                          torch.from_numpy(a + 1))
+                                          torch.from_numpy(a + 1), int((L + a + 1).max()))
         for b, c in enumerate(self.ctx):
             c.extend(drafts[b, :a[b]].tolist() + [bonus[b]])
 
