@@ -60,26 +60,32 @@ class Metrics:
 
         self._synchronize = synchronize
         self.timed = True
-        seen = set()
-        for mod in modules:
+        # the logits come from a separate call (`model.logits(hidden)`), outside forward: the vocabulary
+        # projection, the largest GEMM of a real model, is model time too (an EAGLE head may share the target's)
+        heads = [getattr(m, "lm_head", None) for m in modules if m is not None]
+        seen, depth = set(), [0, 0.0]  # [open timed calls, start of the outermost]
+        for mod in [*modules, *heads]:
             if mod is None or id(mod._forward_hooks) in seen:  # shallow copies share hook dicts
                 continue
             seen.add(id(mod._forward_hooks))
-            box = {}
 
-            def pre(_m, _a, box=box):
+            def pre(_m, _a):
                 if torch.compiler.is_compiling() or self._outer:
                     return
-                synchronize()
-                box["t"] = time.perf_counter()
+                if depth[0] == 0:
+                    synchronize()
+                    depth[1] = time.perf_counter()
+                depth[0] += 1
 
-            def post(_m, _a, _o, box=box):
-                if torch.compiler.is_compiling() or self._outer or "t" not in box:
+            def post(_m, _a, _o):
+                if torch.compiler.is_compiling() or self._outer or depth[0] == 0:
                     return
-                synchronize()
-                self.model_s[self.current] += time.perf_counter() - box.pop("t")
+                depth[0] -= 1
+                if depth[0] == 0:  # a call inside a timed one (an lm_head inside a forward) is counted once
+                    synchronize()
+                    self.model_s[self.current] += time.perf_counter() - depth[1]
 
-            self._hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+            self._hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post, always_call=True)]
 
     def model_branch(self, fn):
         """`fn` (a compiled or captured branch that runs a model forward) timed as model time, as a whole

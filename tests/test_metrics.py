@@ -96,6 +96,35 @@ def test_model_timer_counts_a_compiled_model_branch_once(monkeypatch):
     m.detach()
 
 
+def test_model_timer_counts_the_logits_call_and_a_nested_call_once(monkeypatch):
+    """Models compute logits in a call of their own (`model.logits(h)` -> lm_head), after forward: that is
+    model time; an lm_head called inside a timed forward adds nothing twice."""
+    import torch
+
+    import specpipe.metrics as metrics_mod
+
+    class Net(torch.nn.Module):
+        def __init__(self, inner_head: bool):
+            super().__init__()
+            self.body, self.lm_head, self.inner_head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8), inner_head
+
+        def forward(self, x):
+            h = self.body(x)
+            return self.lm_head(h) if self.inner_head else h
+
+    for inner in (False, True):
+        net, m = Net(inner), Metrics(1)
+        m.attach_model_timer([net], lambda: None)
+        monkeypatch.setattr(metrics_mod.time, "perf_counter", Clock())
+        with m.stage("verify"):
+            out = net(torch.randn(2, 4))
+            if not inner:
+                net.lm_head(out)
+        assert m.model_s["verify"] == (1.0 if inner else 2.0)  # one clock tick per timed outermost call
+        m.detach()
+        assert not net._forward_hooks and not net.lm_head._forward_hooks
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_model_timing_off_adds_no_device_syncs(monkeypatch, compiled):
     """model_timing=false: no device synchronize anywhere in a run (eager forwards or a compiled model branch),
