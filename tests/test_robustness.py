@@ -95,7 +95,7 @@ def test_memory_pressure_outputs_equal_ample_pool(tmp_path, pair, draft):
     assert [r.finish_reason for r in tight["requests"]] == [r.finish_reason for r in ample["requests"]]
     assert all(r.finish_reason in ("length", "stop") for r in tight["requests"])
     assert tight["metrics"]["kv_leaked_slots"] == 0
-    assert tight["metrics"]["kv_peak_slots"] <= 1600
+    assert tight["metrics"]["kv_peak_slots"] <= tight["metrics"]["kv_pool_slots"] == 1600
     assert tight["metrics"]["retractions"] > 0  # running requests really were evicted and recomputed
     assert ample["metrics"]["kv_peak_slots"] > 1600  # the tight pool really was too small for the batch
 

@@ -97,10 +97,14 @@ class PrepareDecode(Stage):
         seg, pos = ranges(c, n)
         self.table[torch.from_numpy(r[seg]).to(self.device), torch.from_numpy(pos).to(self.device)] = slots
         self.alloc_len[r] = n
+        self.note_peak()
+        return True
+
+    def note_peak(self) -> None:
+        """After a take from the pool (a reservation, or a draft round's scratch, which holds slots too)."""
         self.peak_used = max(self.peak_used, self.alloc.size - self.alloc.available())
         if self.window is not None:
             self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
-        return True
 
     @property
     def logical_only(self) -> bool:
@@ -152,6 +156,7 @@ class PrepareDecode(Stage):
             slots = take(n) if n else torch.empty(0, dtype=torch.int64, device=dev)  # (hisparse: logical ids)
             if slots is None:
                 return None
+            self.note_peak()
             Lp = bucket(int(L.max()) + first)
             prefix = self.slots(rows_t, torch.zeros_like(L_t), Lp)
             cols = slots.view(B, width, topk)
@@ -168,6 +173,7 @@ class PrepareDecode(Stage):
                        extend_num_tokens=int((end - L).sum()))
         if slots is None:
             return None
+        self.note_peak()
         region = branch_region_slots(self.table, rows_t, L, slots, topk, P, ps)
         prefix = self.slots(rows_t, torch.zeros_like(L_t), bucket(int(base.max())))
         return BranchRegions(region, torch.from_numpy(last).to(dev), torch.from_numpy(base).to(dev), prefix,

@@ -155,3 +155,16 @@ def test_one_draft_step_takes_no_scratch_when_the_pool_is_full(ps):
     assert sc is not None and alloc.available() == 0
     prep.end_scratch(sc.state)
     assert alloc.available() == 0 and prep.reserve(rows, np.asarray([ps - 1]))  # the verify still fits
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_peak_use_counts_the_draft_scratch(ps):
+    """kv_peak_slots is what a pool must hold: a draft round's throw-away slots are in use while it drafts."""
+    alloc = PagedAllocator(4096, ps) if ps > 1 else TokenAllocator(4096)
+    prep, rows, rows_t, L, L_t = prepared(alloc, LENS)
+    held = alloc.size - alloc.available()
+    sc = prep.draft_scratch(rows, rows_t, L, L_t, 4, 3)
+    in_use = alloc.size - alloc.available()
+    assert prep.peak_used == in_use > held
+    prep.end_scratch(sc.state)
+    assert prep.peak_used == in_use and alloc.size - alloc.available() == held
