@@ -119,19 +119,20 @@ class Metrics:
     def _acceptance(self) -> dict:
         acc = np.asarray(self.accepted, dtype=np.int64)
         S = self.num_steps
-        if not len(acc):
+        if not len(acc):  # nothing drafted (draft=none, or no round ran): no rate to give, not a rate of 0
             return {"accept_length_mean": None, "mean_acceptance_length": None, "accept_length_histogram": [],
-                    "acceptance_rate_per_position": [0.0] * S, "acceptance_rate_by_depth": [0.0] * S,
+                    "acceptance_rate_per_position": [None] * S, "acceptance_rate_by_depth": [None] * S,
                     "acceptance_by_rank": [], "draft_acceptance_rate": None, "tree_budget_use": None,
                     "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                     "num_accepted_tokens_per_pos": [0] * S}
         n = len(acc)
+        drafted = int(np.count_nonzero(np.asarray(self.linked)))  # vLLM counts a draft only when one was proposed
         reached = [int((acc >= d).sum()) for d in range(0, S + 1)]
         ranks = np.bincount(np.asarray(self.ranks, dtype=np.int64), minlength=self.topk) if self.ranks else \
             np.zeros(self.topk, dtype=np.int64)
         return {
             "accept_length_mean": float(acc.mean() + 1),
-            "mean_acceptance_length": float(acc.mean() + 1),  # vLLM's name
+            "mean_acceptance_length": float(acc.sum() / drafted + 1) if drafted else None,  # vLLM's
             "accept_length_histogram": np.bincount(acc + 1, minlength=S + 2)[1:].tolist(),  # i: rounds committing i+1
             "acceptance_rate_per_position": [reached[d] / n for d in range(1, S + 1)],
             "acceptance_rate_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0
@@ -139,7 +140,8 @@ class Metrics:
             "acceptance_by_rank": (ranks / max(1, ranks.sum())).tolist(),
             "draft_acceptance_rate": float(acc.sum() / max(1, sum(self.linked))),
             "tree_budget_use": float(np.mean(self.linked) / max(1, self.num_draft_tokens - 1)),
-            "num_drafts": n,
+            "num_drafts": drafted,
+            "num_rounds": n,
             "num_draft_tokens": int(sum(self.linked)),
             "num_accepted_tokens": int(acc.sum()),
             "num_accepted_tokens_per_pos": reached[1:],

@@ -37,7 +37,8 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
         ("wall time", f"{m['wall_s']:.2f} s"),
         ("tokens/s", f"{m['tokens_per_s']:.1f}"),
         ("acceptance length", "-" if al is None else f"{al:.2f}"),
-        ("acceptance per position", ", ".join(f"{x:.2f}" for x in m["acceptance_rate_per_position"])),
+        ("acceptance per position", ", ".join("-" if x is None else f"{x:.2f}"
+                                              for x in m["acceptance_rate_per_position"])),
         ("sampling", sampling_text(m.get("sampling"))),
         ("verify steps", str(m["num_verify_steps"])),
         ("recompiles", str(m["recompiles"])),

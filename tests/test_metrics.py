@@ -35,9 +35,29 @@ def test_rank_of_accepted_children_uses_only_accepted_depths():
     assert s["acceptance_by_rank"] == pytest.approx([4 / 6, 2 / 6])
 
 
+def test_rounds_without_a_draft_count_for_the_speed_not_in_vllms_counters():
+    """An n-gram miss (no node linked) commits one token: accept_length_mean, over every round, counts it;
+    vLLM's num_drafts and mean_acceptance_length count only requests that had drafts scheduled."""
+    m = Metrics(num_steps=3, topk=1, num_draft_tokens=4)
+    m.record_round([2, 0], [[0, 0, 0], [0, 0, 0]], [3, 0])  # the second request found no match
+    m.record_round([0, 1], [[0, 0, 0], [0, 0, 0]], [3, 3])
+    m.num_verify_steps = 2
+    s = m.summary(wall_s=1.0, recompiles=0)
+    assert s["accept_length_mean"] == pytest.approx(1 + 3 / 4) and s["num_rounds"] == 4
+    assert s["mean_acceptance_length"] == pytest.approx(1 + 3 / 3) and s["num_drafts"] == 3
+    assert s["draft_acceptance_rate"] == pytest.approx(3 / 9)
+
+
+def test_nothing_drafted_gives_no_rates_rather_than_zero():
+    m = Metrics(num_steps=3, topk=2, num_draft_tokens=6)
+    s = m.summary(wall_s=1.0, recompiles=0)
+    assert s["acceptance_rate_per_position"] == [None] * 3 and s["acceptance_rate_by_depth"] == [None] * 3
+    assert s["accept_length_mean"] is None and s["num_drafts"] == 0
+
+
 def test_budget_and_counters():
     s = trace()
-    assert s["num_drafts"] == 4 and s["num_accepted_tokens"] == 6
+    assert s["num_drafts"] == s["num_rounds"] == 4 and s["num_accepted_tokens"] == 6
     assert s["num_draft_tokens"] == 16
     assert s["draft_acceptance_rate"] == pytest.approx(6 / 16)
     assert s["tree_budget_use"] == pytest.approx((16 / 4) / 5)
