@@ -227,15 +227,22 @@ def expand_home(overrides: list[str]) -> list[str]:
     has no unquoted "~" in values (Hydra's own error is a lexer exception)."""
     import os
 
+    def one(value: str) -> str:
+        if not re.match(r"~[\w.-]*(/|$)", value) or value == "~":
+            return value
+        path = os.path.expanduser(value)
+        if path != value and re.fullmatch(r"[\w/.+@%:-]+", path):
+            return path
+        return f"'{path}'" if path != value and "'" not in path else value
+
     out = []
     for o in overrides:
         key, eq, value = o.partition("=")
-        if eq and not key.startswith("-") and re.match(r"~[\w.-]*(/|$)", value) and value != "~":
-            path = os.path.expanduser(value)
-            if path != value and re.fullmatch(r"[\w/.+@%:-]+", path):
-                o = f"{key}={path}"
-            elif path != value and "'" not in path:
-                o = f"{key}='{path}'"
+        if eq and not key.startswith("-") and "~" in value:
+            # a sweep's list (`p=~/a,~/b`, also inside choice(...)): each path on its own
+            m = re.fullmatch(r"(choice\()?([^()'\"]*)(\))?", value)
+            if m and (m.group(1) is None) == (m.group(3) is None):
+                o = f"{key}={m.group(1) or ''}{','.join(one(v) for v in m.group(2).split(','))}{m.group(3) or ''}"
         out.append(o)
     return out
 

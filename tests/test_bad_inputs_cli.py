@@ -194,6 +194,9 @@ def test_home_folder_paths_expand(tmp_path, monkeypatch):
     (tmp_path / "my dir").mkdir()
     assert expand_home(["model.path=~/m", "+x=~/my dir", "a=~", "b=x~/y", "--multirun", "c=~nosuchuser_xyz/z"]) == \
         [f"model.path={tmp_path}/m", f"+x='{tmp_path}/my dir'", "a=~", "b=x~/y", "--multirun", "c=~nosuchuser_xyz/z"]
+    # a sweep's list: each path expanded (the first alone, once, made one job of a path with a comma in it)
+    assert expand_home(["-m", "p=~/a.jsonl,~/my dir", "q=choice(~/m,/x)"]) == \
+        ["-m", f"p={tmp_path}/a.jsonl,'{tmp_path}/my dir'", f"q=choice({tmp_path}/m,/x)"]
     cfg = compose_config(["model=hf", 'model.path="~/m"', 'workload.prompts_file="~/p.jsonl"'])
     assert cfg.model.path == str(tmp_path / "m") and cfg.workload.prompts_file == str(tmp_path / "p.jsonl")
     out = SpecPipe("model=hf", "model.path=~/m", "draft=none").generate(["def f():"], max_new_tokens=3)
