@@ -336,7 +336,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         pair = load_pair(cfg, dtype, device)
     ensure_standalone(cfg, pair, dtype, device)
     check_against_model(cfg, pair)
-    cfg, sampling_source = model_sampling(cfg, pair)
+    job_cfg = cfg  # the config as given: the stored one, which resume compares with the job's
+    cfg, sampling_source = model_sampling(cfg, pair)  # (the values it took are in the `sampling` metric)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
@@ -408,7 +409,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     if cache is not None:  # draft=suffix: what the cross-request cache held at the end
         summary["draft_cache"] = {"tokens": len(cache), "capacity": cache.capacity, "texts_added": cache.texts_added}
     summary["model_loads_in_process"] = MODEL_LOADS[0]  # 1 in every job of an in-process sweep: weights reused
-    summary["config"] = to_container(cfg)
+    summary["config"] = to_container(job_cfg)
     from specpipe.report_console import print_summary
 
     if out_dir is not None:

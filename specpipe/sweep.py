@@ -112,9 +112,15 @@ def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     if why is not None:
         print(f"resume: {path.parent}: {why}, so the job runs again", file=sys.stderr)
         return None
-    if stored is None or not _same_run(stored.get("config", {}), to_container(cfg)):
+    if stored is None:
         return None
-    return stored
+    import copy
+
+    from specpipe.validate import expand_user_paths
+
+    job = copy.deepcopy(cfg)
+    expand_user_paths(job)  # the stored config has its paths made absolute, as the run saw them
+    return stored if _same_run(stored.get("config", {}), to_container(job)) else None
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -156,6 +156,20 @@ def test_resume_reuses_only_the_same_config(tmp_path):
     assert finished_metrics(cfg, str(tmp_path)) is None
 
 
+def test_resume_matches_a_run_whose_paths_were_made_absolute(tmp_path, monkeypatch):
+    """A run stores its paths absolute (`~/p.jsonl`, or relative under hydra.job.chdir=true); the job's own
+    config still says `~/p.jsonl`, and resume re-ran every finished job."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f():"}\n')
+    cfg, ran = compose(*SMALL), compose(*SMALL)
+    cfg.workload.prompts_file = ran.workload.prompts_file = "~/p.jsonl"  # as a user's own config file sets it
+    validate(ran)
+    assert ran.workload.prompts_file == str(tmp_path / "p.jsonl")
+    (tmp_path / "metrics.json").write_text(json.dumps({"tokens_per_s": 5.0, "config": to_container(ran)}))
+    assert finished_metrics(cfg, str(tmp_path))["tokens_per_s"] == 5.0
+    assert cfg.workload.prompts_file == "~/p.jsonl"  # the job's config is left as it was
+
+
 @pytest.mark.parametrize("contents", [b"[1, 2]", b"\xff\xfe{}", b"", b'{"tokens_per_s": 1',
                                       b'{"tokens_per_s": 1.0, "config": [1]}', b'{"tokens_per_s": "x", "config": {}}'])
 def test_resume_runs_a_job_whose_metrics_json_is_damaged_again(tmp_path, capsys, contents):

@@ -76,7 +76,8 @@ def test_sampling_from_the_models_generation_config(make_hf_model, edit_config, 
     m = run(compose(*base, "sampling.from_model=true"), quiet=True)["metrics"]
     assert m["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.0,
                              "source": str(gen), "per_request": 0}
-    assert m["config"]["sampling"]["temperature"] == 0.6  # what the run really used
+    # `config` is the job's own (resume=true compares it with the job's), from_model=true included
+    assert m["config"]["sampling"]["temperature"] == 0.0 and m["config"]["sampling"]["from_model"] is True
     assert run(compose(*base), quiet=True)["metrics"]["sampling"]["temperature"] == 0.0  # off by default
 
     gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
