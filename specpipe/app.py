@@ -240,6 +240,17 @@ def ensure_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
         pair.standalone_source = cfg.draft.path
 
 
+def drafting_models(cfg: DictConfig, pair) -> list:
+    """The pair's draft models this run drafts with (an EAGLE head, a standalone model, or none). The other
+    stays loaded for a later job of an in-process sweep, and its KV pool is let go: a GPU holding it would
+    run out of memory where the job alone fits."""
+    used = {"eagle": pair.draft, "standalone": getattr(pair, "standalone", None)}.get(cfg.draft.method)
+    for model in (pair.draft, getattr(pair, "standalone", None)):
+        if model is not None and model is not used:
+            model.kv = None
+    return [used] if used is not None else []
+
+
 def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
     """The standalone drafter's model: draft.path, or for random_tiny the target's first layer."""
     if cfg.draft.path is not None:
@@ -322,14 +333,22 @@ def check_against_model(cfg: DictConfig, pair) -> None:
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
         items: Optional[list[dict]] = None, on_step=None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
-    `on_step(requests)` is called after every decode step (see `run_requests`)."""
+    `on_step(requests)` is called after every decode step (see `run_requests`).
+
+    The caller's CPU random stream is left as it was: seeding it here restarted a training loop's dropout and
+    shuffling at every `generate` (sampling draws from per-request coins, not from it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(cfg.seed)
+        return _run(cfg, out_dir, quiet, pair, items, on_step)
+
+
+def _run(cfg: DictConfig, out_dir: Optional[str], quiet: bool, pair, items: Optional[list[dict]], on_step) -> dict:
     from specpipe.devices.base import use_build_inductor_cache
 
     use_build_inductor_cache()  # before anything asks inductor for its cache folder
     validate(cfg)
     if items is None:
         items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
-    torch.manual_seed(cfg.seed)
     device = build(cfg.device, "device")
     dtype = cfg.model.get("dtype") or cfg.device.dtype
     if pair is None:
@@ -342,13 +361,12 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
                          sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
+    drafting = drafting_models(cfg, pair)
     try:
         allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
         pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
-        if pair.draft is not None:
-            pair.draft.setup_kv(allocator.pool_slots)
-        if getattr(pair, "standalone", None) is not None:
-            pair.standalone.setup_kv(allocator.pool_slots)
+        for model in drafting:
+            model.setup_kv(allocator.pool_slots)
     except Exception as e:
         if not out_of_memory(e):
             raise
@@ -363,7 +381,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     spec = cfg.draft.method != "none"
     batch = running_batch(cfg, reqs)
     step_rows = batch * (cfg.draft.num_draft_tokens if spec else 1)  # rows of a verify forward
-    models = [pair.target, pair.draft, getattr(pair, "standalone", None)]
+    models = [pair.target, *drafting]
     fuse_projections(models)  # q|k|v and gate|up as one GEMM each (once per pair; bitwise the same outputs)
     layout = device.lay_out_weights(models, (1, step_rows))
     metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,

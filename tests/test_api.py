@@ -328,3 +328,33 @@ def test_a_prompts_stop_token_ids_end_it_where_the_first_one_is_generated(draft)
     assert "prompt 3: stop_token_ids [1000000000] are outside the vocabulary" in got[3].error
     free = SpecPipe(*BASE, "workload.max_new_tokens=24", "workload.ignore_eos=true", *draft)
     assert free.generate([{"prompt": PROMPTS[0], "stop_token_ids": [ids[cut]]}])[0].output_ids == ids
+
+
+def test_generate_leaves_the_callers_random_stream_alone():
+    """A training loop calling generate() kept getting torch.manual_seed(seed) reset under it."""
+    import torch
+
+    sp = SpecPipe(*BASE, "draft=none")
+    torch.manual_seed(123)
+    expected = torch.rand(2), torch.rand(2)
+    torch.manual_seed(123)
+    first = torch.rand(2)
+    sp.generate(PROMPTS[:1], max_new_tokens=2)
+    assert torch.equal(first, expected[0]) and torch.equal(torch.rand(2), expected[1])
+
+
+def test_a_job_that_does_not_draft_with_a_model_lets_its_kv_pool_go():
+    """In-process sweeps share the loaded pair: draft=standalone then draft=eagle kept the standalone model's KV
+    pool (and the reverse the head's) allocated, set up again, in every later job."""
+    from specpipe.app import load_pair
+    from specpipe.devices.cpu import CpuDevice
+
+    cfg = compose(*BASE, "draft=standalone")
+    pair = load_pair(cfg, "float64", CpuDevice())
+    alone = run(compose(*BASE, "draft=standalone"), quiet=True, items=[{"prompt": PROMPTS[0]}])["requests"]
+    run(cfg, quiet=True, pair=pair, items=[{"prompt": PROMPTS[0]}])
+    assert pair.standalone.kv is not None and pair.draft.kv is None
+    out = run(compose(*BASE), quiet=True, pair=pair, items=[{"prompt": PROMPTS[0]}])["requests"]
+    assert pair.standalone.kv is None and pair.draft.kv is not None
+    again = run(cfg, quiet=True, pair=pair, items=[{"prompt": PROMPTS[0]}])["requests"]
+    assert again[0].output_ids == alone[0].output_ids == out[0].output_ids
