@@ -76,3 +76,42 @@ def test_logprobs_ride_along_with_the_tokens_bit_for_bit(dtype):
     assert torch.equal(torch.tensor(values, dtype=dtype).view(torch.int64 if dtype == torch.float64 else torch.int32),
                        floats.view(torch.int64 if dtype == torch.float64 else torch.int32))
     assert Pipeline.read_back(ints) == (ints.tolist(), None)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_paged_commit_frees_pages_without_unique(monkeypatch, page_size):
+    """torch.unique's output size depends on the data: on an accelerator it reads the device back. A verify
+    round's commit frees the rejected tree's whole pages, which the host already knows are distinct."""
+    import specpipe.allocators.paged as paged
+
+    calls, in_step, steps = [0], [False], [0]
+    real_unique = torch.unique
+
+    def unique(*a, **k):
+        calls[0] += in_step[0]
+        return real_unique(*a, **k)
+    monkeypatch.setattr(paged.torch, "unique", unique)
+    real_step = None
+
+    def spy(run_requests_fn):
+        def inner(pipe, reqs, batch_size, show_progress=None, **kw):
+            nonlocal real_step
+            cls = type(pipe)
+            real_step = cls.step
+
+            def counted(self):
+                steps[0] += 1
+                in_step[0] = steps[0] > 2
+                try:
+                    return real_step(self)
+                finally:
+                    in_step[0] = False
+            monkeypatch.setattr(cls, "step", counted)
+            return run_requests_fn(pipe, reqs, batch_size, show_progress, **kw)
+        return inner
+
+    monkeypatch.setattr("specpipe.app.run_requests", spy(run_requests))
+    cfg = compose("model=random_tiny", "workload.num_prompts=2", "workload.batch_size=2", "workload.max_new_tokens=40",
+                  "draft.topk=4", "draft.num_steps=3", "allocator=paged", f"allocator.page_size={page_size}")
+    run(cfg, quiet=True)
+    assert steps[0] > 7 and calls[0] == 0

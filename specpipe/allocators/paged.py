@@ -38,7 +38,7 @@ def count_decode_pages(seq_lens: Tensor, page_size: int) -> int:
 class PagedAllocator(KVAllocator):
     """Free list of page ids 1..num_pages (page 0 is the padding sink); frees prepend pages."""
 
-    capabilities = frozenset({"alloc_extend", "alloc_decode", "num_new_pages", "backup_state"})
+    capabilities = frozenset({"alloc_extend", "alloc_decode", "num_new_pages", "backup_state", "free_page_starts"})
 
     def __init__(self, num_slots: int, page_size: int = 1, device: str | torch.device = "cpu",
                  debug: bool = False, kernels: str = "torch"):
@@ -117,6 +117,21 @@ class PagedAllocator(KVAllocator):
         """Frees every page any of ``slots`` lies in; the pages are reused first (prepended)."""
         pages = torch.unique(slots.to(torch.int64) // self.page_size)  # [P] sorted, distinct
         if self.debug:
+            self._check_free(pages)
+        self.free_pages = torch.cat((pages, self.free_pages))
+
+    def free_page_starts(self, first_slots: Tensor) -> None:
+        """Frees whole pages given by their first slots, distinct (a caller that knows the freed range is
+        page-aligned, as a verify round's commit does): `free` of every slot of those pages, in the same
+        order, without `torch.unique`, whose data-dependent size reads the device back (a sync per round)."""
+        if first_slots.numel() == 0 or self._group is not None:
+            self.free(first_slots)  # a free group de-duplicates the lot at its end
+            return
+        slots = first_slots.to(torch.int64)
+        pages = torch.sort(slots // self.page_size).values
+        if self.debug:
+            if bool((slots % self.page_size != 0).any()) or bool((pages[1:] == pages[:-1]).any()):
+                raise AssertionError(f"free_page_starts: slots {slots.tolist()} are not distinct page starts")
             self._check_free(pages)
         self.free_pages = torch.cat((pages, self.free_pages))
 

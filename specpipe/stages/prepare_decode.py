@@ -55,6 +55,7 @@ class PrepareDecode(Stage):
         self.evicted_tokens = 0
         self.window_peak = 0  # most window-pool slots live at once
         self.hot = HotBufferBook(allocator, self.table, self.alloc_len) if "hisparse" in caps else None
+        self.free_by_page = "free_page_starts" in caps  # commit names each freed page once (no de-duplication)
 
     @property
     def max_context(self) -> int:
@@ -68,9 +69,7 @@ class PrepareDecode(Stage):
         if not rows:
             return
         r = np.asarray(rows, dtype=np.int64)
-        seg, pos = ranges(np.zeros_like(r), self.alloc_len[r])
-        if len(pos):  # SWA: frees full pages and the window pages not evicted yet (evicted ones map to 0)
-            self.alloc.free(self.table[torch.from_numpy(r[seg]).to(self.device), torch.from_numpy(pos).to(self.device)])
+        self._free_positions(r, np.zeros_like(r), self.alloc_len[r])  # SWA: the window pages not evicted too
         if self.hot is not None:
             self.hot.release(r)
         self.seq_len[r] = 0
@@ -236,10 +235,19 @@ class PrepareDecode(Stage):
         ps = self.ps
         self.seq_len[rows] = new_seq
         keep = np.minimum(-(-new_seq // ps) * ps, self.alloc_len[rows])
-        seg, pos = ranges(keep, self.alloc_len[rows])
-        if len(pos):
-            self.alloc.free(self.table[torch.from_numpy(rows[seg]).to(self.device), torch.from_numpy(pos).to(self.device)])
+        self._free_positions(rows, keep, self.alloc_len[rows])
         self.alloc_len[rows] = keep
+
+    def _free_positions(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+        """Free the slots of positions [start, end) of each row; `start` is page-aligned, so a paged pool is
+        told each page once, by its first position (host arithmetic: no de-duplication on the device)."""
+        seg, pos = ranges(start, end)
+        if self.free_by_page:
+            first = pos % self.ps == 0
+            seg, pos = seg[first], pos[first]
+        if len(pos):
+            free = self.alloc.free_page_starts if self.free_by_page else self.alloc.free
+            free(self.table[torch.from_numpy(rows[seg]).to(self.device), torch.from_numpy(pos).to(self.device)])
 
 
 def check_window_pool(pair, window: int) -> None:

@@ -133,10 +133,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         if got is not None:
             self.blocks.append(got)
 
-    def _free(self, slots) -> None:
+    def _free(self, slots, by_page_start: bool = False) -> None:
         if not slots:
             return
-        self.a.free(t(slots))
+        if by_page_start:  # whole pages named by their first slots: the same free list as freeing every slot
+            self.a.free_page_starts(t(slots[::self.page_size]))
+        else:
+            self.a.free(t(slots))
         self.ref.free(slots)
         if self.grouped and self.group_defers:
             self.pending += slots
@@ -147,7 +150,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         """Frees a request from a page boundary on (whole, exclusively owned pages)."""
         r = data.draw(st.sampled_from(self.reqs))
         keep = data.draw(st.integers(0, (len(r.slots) - 1) // self.page_size)) * self.page_size
-        self._free(r.slots[keep:])
+        by_page_start = "free_page_starts" in self.a.capabilities and data.draw(st.booleans())
+        self._free(r.slots[keep:], by_page_start)
         r.slots = r.slots[:keep]
         r.evicted = min(r.evicted, keep)
         if not r.slots:
