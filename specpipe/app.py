@@ -42,8 +42,9 @@ def load_pair(cfg: DictConfig, dtype: str, device):
     if key not in _PAIR_CACHE:
         _PAIR_CACHE.clear()  # keep one pair: sweeps over models should not pile up weights
         MODEL_LOADS[0] += 1
-        _PAIR_CACHE[key] = build(cfg.model, "model", dtype=dtype, device=str(device.torch_device),
-                                 draft_path=draft_path)
+        with torch.random.fork_rng(devices=[]):  # module constructors' initial weights (then loaded over) draw
+            _PAIR_CACHE[key] = build(cfg.model, "model", dtype=dtype, device=str(device.torch_device),
+                                     draft_path=draft_path)
     return _PAIR_CACHE[key]
 
 
@@ -236,7 +237,8 @@ def ensure_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
     """With draft=standalone: the pair's standalone model is the one draft.path names (loaded once)."""
     if cfg.draft.method == "standalone" and (getattr(pair, "standalone", None) is None
                                              or getattr(pair, "standalone_source", None) != cfg.draft.path):
-        load_standalone(cfg, pair, dtype, device)
+        with torch.random.fork_rng(devices=[]):  # as in load_pair: the caller's random stream is theirs
+            load_standalone(cfg, pair, dtype, device)
         pair.standalone_source = cfg.draft.path
 
 
@@ -335,14 +337,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
     `on_step(requests)` is called after every decode step (see `run_requests`).
 
-    The caller's CPU random stream is left as it was: seeding it here restarted a training loop's dropout and
-    shuffling at every `generate` (sampling draws from per-request coins, not from it)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.random.default_generator.manual_seed(cfg.seed)
-        return _run(cfg, out_dir, quiet, pair, items, on_step)
-
-
-def _run(cfg: DictConfig, out_dir: Optional[str], quiet: bool, pair, items: Optional[list[dict]], on_step) -> dict:
+    Decoding never touches torch's global random stream, which is the caller's (a training loop's dropout and
+    shuffling; a stream decodes in a thread beside it): sampling draws per-request coins from `cfg.seed`."""
     from specpipe.devices.base import use_build_inductor_cache
 
     use_build_inductor_cache()  # before anything asks inductor for its cache folder

@@ -224,25 +224,35 @@ def valid_keys(dotted: str) -> list[str]:
 
 def expand_home(overrides: list[str]) -> list[str]:
     """`key=~/dir` -> `key=/home/me/dir`: the shell leaves a "~" after "key=" alone, and the override grammar
-    has no unquoted "~" in values (Hydra's own error is a lexer exception)."""
+    has no unquoted "~" in values (Hydra's own error is a lexer exception). A sweep's values (`key=~/a,~/b`,
+    `choice(~/a, ~/b)`, also sort/shuffle) are expanded one by one, unless the whole value is an existing path."""
     import os
 
     def one(value: str) -> str:
+        lead = value[:len(value) - len(value.lstrip())]
+        value = value.strip()
         if not re.match(r"~[\w.-]*(/|$)", value) or value == "~":
-            return value
-        path = os.path.expanduser(value)
+            return lead + value
+        path = os.path.expanduser(value.replace("\\,", ","))  # quoted below, a comma needs no escape
         if path != value and re.fullmatch(r"[\w/.+@%:-]+", path):
-            return path
-        return f"'{path}'" if path != value and "'" not in path else value
+            return lead + path
+        return lead + (f"'{path}'" if path != value and "'" not in path else value)
+
+    def items(text: str) -> str:  # values split at commas, not at escaped ones (\,)
+        return ",".join(one(v) for v in re.split(r"(?<!\\),", text))
 
     out = []
     for o in overrides:
         key, eq, value = o.partition("=")
         if eq and not key.startswith("-") and "~" in value:
-            # a sweep's list (`p=~/a,~/b`, also inside choice(...)): each path on its own
-            m = re.fullmatch(r"(choice\()?([^()'\"]*)(\))?", value)
-            if m and (m.group(1) is None) == (m.group(3) is None):
-                o = f"{key}={m.group(1) or ''}{','.join(one(v) for v in m.group(2).split(','))}{m.group(3) or ''}"
+            fn = re.fullmatch(r"(choice|sort|shuffle)\((.*)\)", value, re.S)
+            if os.path.exists(os.path.expanduser(value)) or not re.search(r"(?<!\\),", value):
+                value = one(value)  # one path (commas and parentheses in its name included)
+            elif fn and not re.search(r"[\[\]{}'\"]", fn.group(2)):
+                value = f"{fn.group(1)}({items(fn.group(2))})"
+            elif not re.search(r"[()\[\]{}'\"]", value):
+                value = items(value)
+            o = f"{key}={value}"
         out.append(o)
     return out
 

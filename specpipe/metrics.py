@@ -123,7 +123,7 @@ class Metrics:
             return {"accept_length_mean": None, "mean_acceptance_length": None, "accept_length_histogram": [],
                     "acceptance_rate_per_position": [None] * S, "acceptance_rate_by_depth": [None] * S,
                     "acceptance_by_rank": [], "draft_acceptance_rate": None, "tree_budget_use": None,
-                    "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                    "num_drafts": 0, "num_rounds": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                     "num_accepted_tokens_per_pos": [0] * S}
         n = len(acc)
         drafted = int(np.count_nonzero(np.asarray(self.linked)))  # vLLM counts a draft only when one was proposed

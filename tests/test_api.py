@@ -341,6 +341,16 @@ def test_generate_leaves_the_callers_random_stream_alone():
     first = torch.rand(2)
     sp.generate(PROMPTS[:1], max_new_tokens=2)
     assert torch.equal(first, expected[0]) and torch.equal(torch.rand(2), expected[1])
+    # a stream decodes in a thread: the caller's draws while it runs, and after, go on from their own stream
+    torch.manual_seed(123)
+    ref = torch.rand(6)
+    torch.manual_seed(123)
+    drawn = [torch.rand(2)]
+    for ev in SpecPipe(*BASE, "device.weight_layout=auto").stream(PROMPTS[:1], max_new_tokens=3):
+        if len(drawn) == 1:
+            drawn.append(torch.rand(2))
+    drawn.append(torch.rand(2))
+    assert torch.equal(torch.cat(drawn), ref)
 
 
 def test_a_job_that_does_not_draft_with_a_model_lets_its_kv_pool_go():

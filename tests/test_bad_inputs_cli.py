@@ -195,8 +195,13 @@ def test_home_folder_paths_expand(tmp_path, monkeypatch):
     assert expand_home(["model.path=~/m", "+x=~/my dir", "a=~", "b=x~/y", "--multirun", "c=~nosuchuser_xyz/z"]) == \
         [f"model.path={tmp_path}/m", f"+x='{tmp_path}/my dir'", "a=~", "b=x~/y", "--multirun", "c=~nosuchuser_xyz/z"]
     # a sweep's list: each path expanded (the first alone, once, made one job of a path with a comma in it)
-    assert expand_home(["-m", "p=~/a.jsonl,~/my dir", "q=choice(~/m,/x)"]) == \
-        ["-m", f"p={tmp_path}/a.jsonl,'{tmp_path}/my dir'", f"q=choice({tmp_path}/m,/x)"]
+    assert expand_home(["-m", "p=~/a.jsonl,~/my dir", "q=choice(~/m, /x)", "r=sort(~/m,~/n)"]) == \
+        ["-m", f"p={tmp_path}/a.jsonl,'{tmp_path}/my dir'", f"q=choice({tmp_path}/m, /x)",
+         f"r=sort({tmp_path}/m,{tmp_path}/n)"]
+    # ... but one path stays one: a name with parentheses, an escaped comma, or an existing file with a comma
+    (tmp_path / "a,b.jsonl").write_text("")
+    assert expand_home(["p=~/x(1).jsonl", r"q=~/c\,d", "r=~/a,b.jsonl", "s=[a,~/b]"]) == \
+        [f"p='{tmp_path}/x(1).jsonl'", f"q='{tmp_path}/c,d'", f"r='{tmp_path}/a,b.jsonl'", "s=[a,~/b]"]
     cfg = compose_config(["model=hf", 'model.path="~/m"', 'workload.prompts_file="~/p.jsonl"'])
     assert cfg.model.path == str(tmp_path / "m") and cfg.workload.prompts_file == str(tmp_path / "p.jsonl")
     out = SpecPipe("model=hf", "model.path=~/m", "draft=none").generate(["def f():"], max_new_tokens=3)

@@ -52,7 +52,7 @@ def test_nothing_drafted_gives_no_rates_rather_than_zero():
     m = Metrics(num_steps=3, topk=2, num_draft_tokens=6)
     s = m.summary(wall_s=1.0, recompiles=0)
     assert s["acceptance_rate_per_position"] == [None] * 3 and s["acceptance_rate_by_depth"] == [None] * 3
-    assert s["accept_length_mean"] is None and s["num_drafts"] == 0
+    assert s["accept_length_mean"] is None and s["num_drafts"] == s["num_rounds"] == 0
 
 
 def test_budget_and_counters():

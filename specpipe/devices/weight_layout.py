@@ -72,7 +72,8 @@ def linear_weights(models: Iterable[Optional[nn.Module]]) -> dict[tuple, list[nn
 
 def time_linear(weights: Sequence[torch.Tensor], rows: int, repeats: int = 3, budget_s: float = 0.01) -> float:
     """Best-of-`repeats` seconds per F.linear over `rows` rows, cycling through `weights`."""
-    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(
+        dtype=weights[0].dtype, device=weights[0].device)  # its own generator: the caller's stream is theirs
     with torch.no_grad():
         t0 = time.perf_counter()
         for w in weights:  # warm-up, and a first estimate of one call
@@ -93,7 +94,8 @@ def measure(shape: tuple, rows: int, timer: Callable = time_linear) -> dict[str,
     out, inp, dtype = shape
     nbytes = out * inp * torch.empty((), dtype=dtype).element_size()
     copies = max(1, min(32, -(-COLD_BYTES // nbytes)))
-    base = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(out, inp, generator=gen).to(dtype) for _ in range(copies)]
     return {lay: timer([as_layout(w, lay) for w in base], rows) for lay in ("row", "column")}
 
 
