@@ -140,15 +140,17 @@ class Stream:
     `with` block, or dropping it) stops decoding at the next step."""
 
     def __init__(self, generate: Callable[[Callable], Any]):
-        self._events: "queue.Queue" = queue.Queue()
-        self._cancel = threading.Event()
-        self._done = object()
+        # the worker sees these, never `self`: a running thread that held the Stream would keep a dropped one
+        # alive, decoding to the end and holding the decode lock, instead of letting __del__ stop it
+        self._events = events = queue.Queue()
+        self._cancel = cancel = threading.Event()
+        self._done = done = object()
         self._closed = False
 
         def sink(ev: StreamEvent) -> None:
-            if self._cancel.is_set():
+            if cancel.is_set():
                 raise _Cancelled()
-            self._events.put(ev)
+            events.put(ev)
 
         def work() -> None:
             try:
@@ -156,8 +158,8 @@ class Stream:
             except _Cancelled:
                 pass
             except BaseException as e:  # re-raised in the caller's thread
-                self._events.put(e)
-            self._events.put(self._done)
+                events.put(e)
+            events.put(done)
 
         self._worker = threading.Thread(target=work, name="specpipe-stream", daemon=True)
         _LIVE_STREAMS.add(self)

@@ -382,12 +382,13 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     layout = device.lay_out_weights(models, (1, step_rows))
     metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,
                       cfg.draft.num_draft_tokens if spec else 2)
-    if cfg.get("model_timing", True):
-        metrics.attach_model_timer(models, device.synchronize)
-    pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
-    compiles_before = recompile_count()
-    partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
-    try:
+    partial = None
+    try:  # from the timer's hooks on: whatever fails (Ctrl-C included) leaves no hook on the shared models
+        if cfg.get("model_timing", True):
+            metrics.attach_model_timer(models, device.synchronize)
+        pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
+        compiles_before = recompile_count()
+        partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
         if partial is not None:
             partial.write([r for r in reqs if r.finished])  # bad prompts: failed before the run
         if on_step is not None and any(r.finished for r in reqs):
@@ -460,9 +461,13 @@ class PartialCompletions:
     NAME = "completions.partial.jsonl"
 
     def __init__(self, out: Path, tokenizer):
-        out.mkdir(parents=True, exist_ok=True)
-        self.path, self.tokenizer = out / self.NAME, tokenizer
-        self.f = open(self.path, "w")
+        self.path, self.tokenizer, self.f = out / self.NAME, tokenizer, None
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self.f = open(self.path, "w")
+        except OSError as e:  # as a failed write: the decoding goes on, the end says what could not be kept
+            print(f"specpipe: warning: cannot write {self.path} ({e.strerror or e}); decoding goes on without it",
+                  file=sys.stderr)
 
     def write(self, reqs: list[Request]) -> None:
         if self.f is None:
@@ -492,5 +497,7 @@ def write_outputs(out: Path, summary: dict, reqs: list[Request], tokenizer) -> N
     with open(out / "completions.jsonl", "w") as f:
         for r in reqs:
             f.write(json.dumps(completion_record(r, tokenizer)) + "\n")
-    (out / PartialCompletions.NAME).unlink(missing_ok=True)  # completions.jsonl holds all of it, in order
+    partial = out / PartialCompletions.NAME
+    if not partial.is_dir():  # (a folder of that name was never ours: the run went on without the file)
+        partial.unlink(missing_ok=True)  # completions.jsonl holds all of it, in order
     os.replace(tmp, out / "metrics.json")  # written last: its presence marks a finished job

@@ -243,6 +243,13 @@ def test_a_stream_left_open_is_closed_by_with_close_or_exit(tmp_path):
     with sp.stream(PROMPTS * 4, max_new_tokens=40) as events:
         next(events)
     assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
+    for _ in sp.stream(PROMPTS * 4, max_new_tokens=400):
+        break  # dropped: stopped at the next step (its worker kept it alive, decoding on under the lock)
+    assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
+    dropped = sp.stream(PROMPTS * 4, max_new_tokens=400)
+    next(dropped)
+    del dropped
+    assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
     named = sp.stream(PROMPTS, max_new_tokens=12)
     for _ in named:
         break  # a named stream stays open after break: generate() waits for it, and is still right
@@ -368,3 +375,26 @@ def test_a_job_that_does_not_draft_with_a_model_lets_its_kv_pool_go():
     assert pair.standalone.kv is None and pair.draft.kv is not None
     again = run(cfg, quiet=True, pair=pair, items=[{"prompt": PROMPTS[0]}])["requests"]
     assert again[0].output_ids == alone[0].output_ids == out[0].output_ids
+
+
+def test_a_run_that_fails_before_decoding_leaves_no_timing_hooks(tmp_path, monkeypatch):
+    """The shared models' timing hooks were attached before the run's try/finally: a failure (or Ctrl-C) in
+    between left six more hooks, syncing the device, on every later forward."""
+    import specpipe.app as app
+
+    sp = SpecPipe(*BASE)
+    hooked = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks)  # noqa: E731
+                         for m in (sp.pair.target, sp.pair.target.lm_head, sp.pair.draft) if m is not None)
+    real = app.build_pipeline
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(app, "build_pipeline", broken)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="boom"):
+            sp.generate(PROMPTS[:1], max_new_tokens=2)
+    assert hooked() == 0
+    monkeypatch.setattr(app, "build_pipeline", real)
+    (tmp_path / "out" / "completions.partial.jsonl").mkdir(parents=True)  # cannot be the partial file
+    out = sp.generate(PROMPTS[:1], max_new_tokens=2, out_dir=tmp_path / "out")
+    assert len(out[0].output_ids) == 2 and (tmp_path / "out" / "metrics.json").exists() and hooked() == 0
