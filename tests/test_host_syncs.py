@@ -16,6 +16,33 @@ from specpipe.runner import run_requests
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
+def run_steady(monkeypatch, in_step: list, *overrides) -> int:
+    """Decode a small workload with `in_step[0]` True inside each decode step after two warm-up steps;
+    the number of steps run."""
+    steps = [0]
+
+    def spy(run_requests_fn):
+        def inner(pipe, reqs, batch_size, show_progress=None, **kw):
+            cls = type(pipe)
+            real = cls.step
+
+            def counted(self):
+                steps[0] += 1
+                in_step[0] = steps[0] > 2  # after warm-up
+                try:
+                    return real(self)
+                finally:
+                    in_step[0] = False
+            monkeypatch.setattr(cls, "step", counted)
+            return run_requests_fn(pipe, reqs, batch_size, show_progress, **kw)
+        return inner
+
+    monkeypatch.setattr("specpipe.app.run_requests", spy(run_requests))
+    run(compose("model=random_tiny", "workload.num_prompts=2", "workload.batch_size=2", "workload.max_new_tokens=40",
+                *overrides), quiet=True)
+    return steps[0]
+
+
 @pytest.mark.parametrize("overrides", [
     ["draft.topk=4", "draft.num_steps=3"],
     ["draft.topk=1", "draft.num_steps=4", "allocator=paged", "allocator.page_size=16"],
@@ -37,29 +64,8 @@ def test_one_host_read_per_step(monkeypatch, overrides):
                 counts[_name] += 1
             return _orig(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, wrapped)
-    steps = [0]
-
-    def spy(run_requests_fn):
-        def inner(pipe, reqs, batch_size, show_progress=None, **kw):
-            cls = type(pipe)
-            real = cls.step
-
-            def counted(self):
-                steps[0] += 1
-                in_step[0] = steps[0] > 2  # after warm-up
-                try:
-                    return real(self)
-                finally:
-                    in_step[0] = False
-            monkeypatch.setattr(cls, "step", counted)
-            return run_requests_fn(pipe, reqs, batch_size, show_progress, **kw)
-        return inner
-
-    monkeypatch.setattr("specpipe.app.run_requests", spy(run_requests))
-    cfg = compose("model=random_tiny", "workload.num_prompts=2", "workload.batch_size=2",
-                  "workload.max_new_tokens=40", *overrides)
-    run(cfg, quiet=True)
-    measured = steps[0] - 2
+    steps = run_steady(monkeypatch, in_step, *overrides)
+    measured = steps - 2
     assert measured > 5
     assert counts["tolist"] == measured, counts  # the commit's single read per step
     assert sum(v for k, v in counts.items() if k != "tolist") == 0, counts
@@ -84,34 +90,13 @@ def test_paged_commit_frees_pages_without_unique(monkeypatch, page_size):
     round's commit frees the rejected tree's whole pages, which the host already knows are distinct."""
     import specpipe.allocators.paged as paged
 
-    calls, in_step, steps = [0], [False], [0]
+    calls, in_step = [0], [False]
     real_unique = torch.unique
 
     def unique(*a, **k):
         calls[0] += in_step[0]
         return real_unique(*a, **k)
     monkeypatch.setattr(paged.torch, "unique", unique)
-    real_step = None
-
-    def spy(run_requests_fn):
-        def inner(pipe, reqs, batch_size, show_progress=None, **kw):
-            nonlocal real_step
-            cls = type(pipe)
-            real_step = cls.step
-
-            def counted(self):
-                steps[0] += 1
-                in_step[0] = steps[0] > 2
-                try:
-                    return real_step(self)
-                finally:
-                    in_step[0] = False
-            monkeypatch.setattr(cls, "step", counted)
-            return run_requests_fn(pipe, reqs, batch_size, show_progress, **kw)
-        return inner
-
-    monkeypatch.setattr("specpipe.app.run_requests", spy(run_requests))
-    cfg = compose("model=random_tiny", "workload.num_prompts=2", "workload.batch_size=2", "workload.max_new_tokens=40",
-                  "draft.topk=4", "draft.num_steps=3", "allocator=paged", f"allocator.page_size={page_size}")
-    run(cfg, quiet=True)
-    assert steps[0] > 7 and calls[0] == 0
+    steps = run_steady(monkeypatch, in_step, "draft.topk=4", "draft.num_steps=3", "allocator=paged",
+                       f"allocator.page_size={page_size}")
+    assert steps > 7 and calls[0] == 0
