@@ -151,6 +151,7 @@ class Stream:
             if cancel.is_set():
                 raise _Cancelled()
             events.put(ev)
+        sink.cancelled = cancel.is_set  # generate() asks once it has its turn: a stream dropped while it waited
 
         def work() -> None:
             try:
@@ -180,12 +181,14 @@ class Stream:
             raise ev
         return ev
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop decoding at the next step; `wait`: until the worker has (never from the thread that holds the
+        decode lock, for which that worker may be waiting)."""
         if self._closed:
             return
         self._closed = True
         self._cancel.set()
-        if self._worker is not threading.current_thread():
+        if wait and self._worker is not threading.current_thread() and _DECODING.owner != threading.get_ident():
             self._worker.join()
         _LIVE_STREAMS.discard(self)
 
@@ -196,8 +199,8 @@ class Stream:
         self.close()
 
     def __del__(self) -> None:
-        try:
-            self.close()
+        try:  # the garbage collector may run this in any thread, the decoding one included: never wait here
+            self.close(wait=False)
         except Exception:
             pass
 
@@ -346,6 +349,8 @@ class SpecPipe:
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
         deltas = _Deltas(self.pair.tokenizer.decode, on_event) if on_event is not None else None
         with _DECODING:
+            if getattr(on_event, "cancelled", lambda: False)():
+                raise _Cancelled()  # a stream closed while it waited for its turn: nothing to decode
             out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items, on_step=deltas)
             if deltas is not None:  # requests that never ran (bad prompts) get their one, final event
                 deltas(out["requests"])

@@ -224,34 +224,39 @@ def valid_keys(dotted: str) -> list[str]:
 
 def expand_home(overrides: list[str]) -> list[str]:
     """`key=~/dir` -> `key=/home/me/dir`: the shell leaves a "~" after "key=" alone, and the override grammar
-    has no unquoted "~" in values (Hydra's own error is a lexer exception). A sweep's values (`key=~/a,~/b`,
-    `choice(~/a, ~/b)`, also sort/shuffle) are expanded one by one, unless the whole value is an existing path."""
+    has no unquoted "~" in values (Hydra's own error is a lexer exception). A sweep's values are expanded one
+    by one: `choice(~/a, ~/b)` (also sort/shuffle), and `key=~/a,~/b` when every item is a path (starts with
+    ~ or /, no "=") and the whole value is not an existing one; anything else is one path, commas included."""
     import os
 
     def one(value: str) -> str:
-        lead = value[:len(value) - len(value.lstrip())]
-        value = value.strip()
+        lead, value = value[:len(value) - len(value.lstrip())], value.strip()
         if not re.match(r"~[\w.-]*(/|$)", value) or value == "~":
             return lead + value
-        path = os.path.expanduser(value.replace("\\,", ","))  # quoted below, a comma needs no escape
-        if path != value and re.fullmatch(r"[\w/.+@%:-]+", path):
+        plain = re.sub(r"\\([ ()\[\]{}:=,\\])", r"\1", value)  # Hydra's escapes: quoted, the path needs none
+        path = os.path.expanduser(plain)
+        if path == plain:  # ~nosuchuser: left for the check to name
+            return lead + value
+        if re.fullmatch(r"[\w/.+@%:-]+", path):
             return lead + path
-        return lead + (f"'{path}'" if path != value and "'" not in path else value)
+        return lead + (f"'{path}'" if "'" not in path else value)
 
-    def items(text: str) -> str:  # values split at commas, not at escaped ones (\,)
-        return ",".join(one(v) for v in re.split(r"(?<!\\),", text))
+    def items(text: str) -> list[str]:  # split at commas, not at escaped ones (\,)
+        return re.split(r"(?<!\\),", text)
 
     out = []
     for o in overrides:
         key, eq, value = o.partition("=")
         if eq and not key.startswith("-") and "~" in value:
             fn = re.fullmatch(r"(choice|sort|shuffle)\((.*)\)", value, re.S)
-            if os.path.exists(os.path.expanduser(value)) or not re.search(r"(?<!\\),", value):
-                value = one(value)  # one path (commas and parentheses in its name included)
-            elif fn and not re.search(r"[\[\]{}'\"]", fn.group(2)):
-                value = f"{fn.group(1)}({items(fn.group(2))})"
-            elif not re.search(r"[()\[\]{}'\"]", value):
-                value = items(value)
+            parts = items(value)
+            if fn and not re.search(r"[\[\]{}'\"]", fn.group(2)):
+                value = f"{fn.group(1)}({','.join(map(one, items(fn.group(2))))})"
+            elif len(parts) > 1 and all(re.match(r"\s*[~/]", p) and "=" not in p for p in parts) \
+                    and not os.path.exists(os.path.expanduser(value)):
+                value = ",".join(map(one, parts))
+            else:
+                value = one(value)
             o = f"{key}={value}"
         out.append(o)
     return out

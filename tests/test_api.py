@@ -1,6 +1,7 @@
 """The Python API: overrides as on the command line, weights loaded once, completions in prompt order,
 equal to what the CLI's run() decodes; bad prompts fail alone, bad overrides raise the CLI's message."""
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,33 @@ def test_calls_from_several_threads_take_turns_and_reentry_is_refused():
     assert sp.generate(PROMPTS[:1], max_new_tokens=12)[0].output_ids == want[PROMPTS[0]]
 
 
+def join_stream_workers() -> None:
+    import threading
+
+    for t in [t for t in threading.enumerate() if t.name == "specpipe-stream"]:
+        t.join(timeout=120)
+        assert not t.is_alive()
+
+
+def test_a_stream_dropped_while_it_waits_for_its_turn_never_decodes(monkeypatch):
+    """Dropped in the thread that holds the decode lock (an on_event callback, or the garbage collector
+    running there), a stream must not wait for its worker, which waits for that lock: that deadlocked."""
+    import specpipe.app as app
+
+    calls, real = [], app.run
+    monkeypatch.setattr(app, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sp, box = SpecPipe(*BASE), {}
+
+    def on_event(ev):
+        if "s" not in box:
+            box["s"] = sp.stream(PROMPTS[:1], max_new_tokens=5)  # its worker waits for this call's turn
+        else:
+            box["s"] = None  # dropped here
+    out = sp.generate(PROMPTS[:1], max_new_tokens=6, on_event=on_event)
+    join_stream_workers()
+    assert len(out[0].output_ids) == 6 and box["s"] is None and len(calls) == 1  # the stream never decoded
+
+
 def test_a_stream_left_open_is_closed_by_with_close_or_exit(tmp_path):
     import subprocess
     import sys
@@ -243,13 +271,12 @@ def test_a_stream_left_open_is_closed_by_with_close_or_exit(tmp_path):
     with sp.stream(PROMPTS * 4, max_new_tokens=40) as events:
         next(events)
     assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
-    for _ in sp.stream(PROMPTS * 4, max_new_tokens=400):
-        break  # dropped: stopped at the next step (its worker kept it alive, decoding on under the lock)
-    assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
     dropped = sp.stream(PROMPTS * 4, max_new_tokens=400)
     next(dropped)
-    del dropped
-    assert not any(t.name == "specpipe-stream" for t in threading.enumerate())
+    gone = weakref.ref(dropped)
+    del dropped  # nothing else holds it (its worker did, and decoded on to the end under the decode lock)
+    assert gone() is None
+    join_stream_workers()
     named = sp.stream(PROMPTS, max_new_tokens=12)
     for _ in named:
         break  # a named stream stays open after break: generate() waits for it, and is still right

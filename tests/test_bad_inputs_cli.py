@@ -202,6 +202,9 @@ def test_home_folder_paths_expand(tmp_path, monkeypatch):
     (tmp_path / "a,b.jsonl").write_text("")
     assert expand_home(["p=~/x(1).jsonl", r"q=~/c\,d", "r=~/a,b.jsonl", "s=[a,~/b]"]) == \
         [f"p='{tmp_path}/x(1).jsonl'", f"q='{tmp_path}/c,d'", f"r='{tmp_path}/a,b.jsonl'", "s=[a,~/b]"]
+    # ... also a new folder named Hydra's way, Hydra's escapes, and choice() of one
+    assert expand_home(["hydra.run.dir=~/runs/lr=0.1,bs=4", r"k=~/my\ dir", "c=choice(~/m)"]) == \
+        [f"hydra.run.dir='{tmp_path}/runs/lr=0.1,bs=4'", f"k='{tmp_path}/my dir'", f"c=choice({tmp_path}/m)"]
     cfg = compose_config(["model=hf", 'model.path="~/m"', 'workload.prompts_file="~/p.jsonl"'])
     assert cfg.model.path == str(tmp_path / "m") and cfg.workload.prompts_file == str(tmp_path / "p.jsonl")
     out = SpecPipe("model=hf", "model.path=~/m", "draft=none").generate(["def f():"], max_new_tokens=3)
