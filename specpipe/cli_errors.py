@@ -227,7 +227,6 @@ def expand_home(overrides: list[str]) -> list[str]:
     has no unquoted "~" in values (Hydra's own error is a lexer exception). A sweep's values are expanded one
     by one: `choice(~/a, ~/b)` (also sort/shuffle), and `key=~/a,~/b` when every item is a path (starts with
     ~ or /, no "=") and the whole value is not an existing one; anything else is one path, commas included."""
-    import os
 
     def one(value: str) -> str:
         lead, value = value[:len(value) - len(value.lstrip())], value.strip()

@@ -10,6 +10,7 @@ end of the sweep, lists the jobs that failed and exits with status 1 when there 
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from specpipe.validate import to_container
+from specpipe.validate import expand_user_paths, to_container
 
 COLLIDED: list = []  # this process's sweep: why each job that found its folder taken was skipped
 NOT_RUN_KEYS = ("resume", "latency_limit_ms")  # change how a job is scored or skipped, not what it computes
@@ -114,10 +115,6 @@ def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         return None
     if stored is None:
         return None
-    import copy
-
-    from specpipe.validate import expand_user_paths
-
     job = copy.deepcopy(cfg)
     expand_user_paths(job)  # the stored config has its paths made absolute, as the run saw them
     return stored if _same_run(stored.get("config", {}), to_container(job)) else None
