@@ -108,16 +108,24 @@ class _Decoding:
     caches them), so concurrent calls from several threads (or SpecPipe objects) take turns."""
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.owner: Optional[int] = None
+        self.lock = threading.RLock()  # re-entry is refused below; an RLock knows its owner, so a Ctrl-C that
+        self.owner: Optional[int] = None  # lands right after acquire() can hand it back (a Lock would stay held)
 
     def __enter__(self):
         if self.owner == threading.get_ident():
             raise SpecpipeError("specpipe: generate() was called while this thread is already decoding (from an "
                                 "on_event callback); collect what the callback needs and call generate() after "
                                 "the running call returns")
-        self.lock.acquire()
-        self.owner = threading.get_ident()
+        try:
+            self.lock.acquire()
+            self.owner = threading.get_ident()
+        except BaseException:  # `with` never calls __exit__ when __enter__ raises
+            self.owner = None if self.owner == threading.get_ident() else self.owner
+            try:
+                self.lock.release()
+            except RuntimeError:  # the interrupt came while waiting: this thread does not hold it
+                pass
+            raise
 
     def __exit__(self, *exc):
         self.owner = None

@@ -425,3 +425,32 @@ def test_a_run_that_fails_before_decoding_leaves_no_timing_hooks(tmp_path, monke
     (tmp_path / "out" / "completions.partial.jsonl").mkdir(parents=True)  # cannot be the partial file
     out = sp.generate(PROMPTS[:1], max_new_tokens=2, out_dir=tmp_path / "out")
     assert len(out[0].output_ids) == 2 and (tmp_path / "out" / "metrics.json").exists() and hooked() == 0
+
+
+def test_an_interrupt_right_after_taking_the_decode_lock_hands_it_back(monkeypatch):
+    """Ctrl-C can land between the lock's acquire() and the end of __enter__, where `with` never runs __exit__:
+    the lock would stay held and every later generate() in the process would hang."""
+    import threading
+
+    from specpipe.api import _DECODING
+
+    real = _DECODING.lock
+
+    class InterruptedAfterAcquire:
+        def acquire(self, *a, **k):
+            real.acquire(*a, **k)
+            monkeypatch.setattr(_DECODING, "lock", real)
+            raise KeyboardInterrupt
+
+        def release(self):
+            real.release()
+    monkeypatch.setattr(_DECODING, "lock", InterruptedAfterAcquire())
+    sp = SpecPipe(*BASE, "draft=none")
+    with pytest.raises(KeyboardInterrupt):
+        sp.generate(PROMPTS[:1], max_new_tokens=2)
+    free = []
+    other = threading.Thread(target=lambda: free.append(real.acquire(timeout=5) and real.release() is None))
+    other.start()
+    other.join()
+    assert free == [True] and _DECODING.owner is None
+    assert sp.generate(PROMPTS[:1], max_new_tokens=2)[0].finish_reason in ("length", "stop")

@@ -2,23 +2,50 @@
 
 Explicit device->host reads are counted by wrapping Tensor.item/tolist/cpu/numpy/__bool__ while
 steady-state steps run; the allocator gets page counts from host integers (num_new_pages), so it
-never needs to read a device tensor either.
+never needs to read a device tensor either. Implicit reads are caught at the dispatcher: an op whose
+output size depends on the data (a boolean-mask index, nonzero, unique, repeat_interleave without
+output_size) must read the device back to size its result, on an accelerator a sync per call.
 """
 from collections import Counter
+from contextlib import nullcontext
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import compose
 from specpipe.app import run
 from specpipe.runner import run_requests
 
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+aten = torch.ops.aten
+SIZED_BY_DATA = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                 aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default}
+BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 
 
-def run_steady(monkeypatch, in_step: list, *overrides) -> int:
-    """Decode a small workload with `in_step[0]` True inside each decode step after two warm-up steps;
-    the number of steps run."""
+class DataSizedOps(TorchDispatchMode):
+    """Counts ops whose output size (or a Python scalar) comes from tensor values, by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = func in SIZED_BY_DATA
+        if func in BOOL_INDEXED:
+            hit = any(i is not None and i.dtype == torch.bool for i in args[1])
+        elif func is aten.repeat_interleave.Tensor:
+            hit = kwargs.get("output_size") is None
+        if hit:
+            self.counts[str(func)] += 1
+        return func(*args, **kwargs)
+
+
+def run_steady(monkeypatch, in_step: list, *overrides, mode=None) -> int:
+    """Decode a small workload with `in_step[0]` True (and `mode` entered) inside each decode step after two
+    warm-up steps; the number of steps run."""
     steps = [0]
 
     def spy(run_requests_fn):
@@ -30,7 +57,8 @@ def run_steady(monkeypatch, in_step: list, *overrides) -> int:
                 steps[0] += 1
                 in_step[0] = steps[0] > 2  # after warm-up
                 try:
-                    return real(self)
+                    with mode if in_step[0] and mode is not None else nullcontext():
+                        return real(self)
                 finally:
                     in_step[0] = False
             monkeypatch.setattr(cls, "step", counted)
@@ -53,9 +81,13 @@ def run_steady(monkeypatch, in_step: list, *overrides) -> int:
     ["draft=none", "workload.logprobs=true"],
     ["draft=standalone", "draft.num_steps=3"],  # the draft model's extend took its length from the device
     ["draft=standalone", "draft.num_steps=3", "allocator=paged", "allocator.page_size=4"],
+    # the window pool frees the pages that left the window every round, and released rows free both pools
+    ["allocator=swa", "allocator.window=8", "model.sliding_window=8", "workload.num_prompts=3"],
+    ["allocator=swa", "allocator.window=16", "model.sliding_window=16", "allocator.page_size=4", "draft=ngram",
+     "workload.num_prompts=3"],
 ])
 def test_one_host_read_per_step(monkeypatch, overrides):
-    counts, in_step = Counter(), [False]
+    counts, in_step, sized = Counter(), [False], DataSizedOps()
     for name in READS:
         orig = getattr(torch.Tensor, name)
 
@@ -64,11 +96,12 @@ def test_one_host_read_per_step(monkeypatch, overrides):
                 counts[_name] += 1
             return _orig(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, wrapped)
-    steps = run_steady(monkeypatch, in_step, *overrides)
+    steps = run_steady(monkeypatch, in_step, *overrides, mode=sized)
     measured = steps - 2
     assert measured > 5
     assert counts["tolist"] == measured, counts  # the commit's single read per step
     assert sum(v for k, v in counts.items() if k != "tolist") == 0, counts
+    assert not sized.counts, sized.counts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -136,7 +136,7 @@ class SWAAllocator(PairedAllocator):
     """
 
     capabilities = frozenset({"alloc_extend", "alloc_decode", "num_new_pages", "backup_state",
-                              "window_evict"})
+                              "window_evict", "free_page_starts"})
 
     def __init__(self, num_slots: int, page_size: int = 1, window: int = 4096,
                  swa_num_slots: Optional[int] = None, device: str | torch.device = "cpu",
@@ -197,6 +197,32 @@ class SWAAllocator(PairedAllocator):
     def free_swa(self, full_slots: Tensor) -> None:
         """Frees the window-pool pages of ``full_slots`` ([N]); a second call is a no-op."""
         self._free_peer(full_slots)
+
+    def free_page_starts(self, first_slots: Tensor, window: bool = True) -> None:
+        """Frees whole full pages named by their first slots (distinct) and, with ``window``, their window
+        pages, which must still be held (``window=False``: already evicted). The caller's host bookkeeping
+        says which, so neither a mask over the mapping nor `torch.unique` reads the device back."""
+        if first_slots.numel() == 0 or self._group is not None:
+            self.free(first_slots)  # a free group de-duplicates the lot at its end; _free_peer skips unmapped
+            return
+        slots = first_slots.to(torch.int64)
+        if window:
+            self.free_swa_page_starts(slots)
+        elif self.debug and bool((self.mapping[slots] != 0).any()):
+            raise AssertionError(f"free_page_starts(window=False): slots {slots.tolist()} still hold window pages")
+        self.full.free_page_starts(slots)
+
+    def free_swa_page_starts(self, first_slots: Tensor) -> None:
+        """Frees the window pages of whole full pages named by their first slots (distinct, still mapped): the
+        page-granular, sync-free form of ``free_swa`` for a caller that knows the range left the window."""
+        if first_slots.numel() == 0:
+            return
+        slots = first_slots.to(torch.int64)
+        peer = self.mapping[slots]                                        # [P] window page starts
+        if self.debug and bool((peer <= 0).any()):
+            raise AssertionError(f"free_swa_page_starts: slots {slots.tolist()} hold no window page")
+        self._zero_pages(slots // self.page_size)
+        self.swa.free_page_starts(peer)
 
     def evict_outside_window(self, req_to_token: Tensor, seq_lens: Tensor, evicted_lens: Tensor,
                              protected_lens: Optional[Tensor] = None) -> Tensor:

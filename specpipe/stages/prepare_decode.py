@@ -8,7 +8,8 @@ step); page counts are computed once, in closed form, and passed to the allocato
 Allocator-specific views, chosen by capability (never by class):
   window_evict (SWA): batches carry window-pool translations of their slots, accepted-KV moves
     translate too, and every commit frees the window-pool pages of tokens that left the window
-    (``evicted`` tracks the freed prefix per row, page-aligned).
+    (``evicted`` tracks the freed prefix per row, page-aligned; ``free_swa_page_starts``, and
+    ``free_page_starts(window=False)`` for an evicted prefix, so no free reads the device back).
   hisparse: sparse target forwards report their top-k selections to per-row hot buffers
     (:mod:`specpipe.stages.hot_buffers`); once buffers exist, new tokens get logical ids only.
 """
@@ -69,7 +70,11 @@ class PrepareDecode(Stage):
         if not rows:
             return
         r = np.asarray(rows, dtype=np.int64)
-        self._free_positions(r, np.zeros_like(r), self.alloc_len[r])  # SWA: the window pages not evicted too
+        if self.window is None:
+            self._free_positions(r, np.zeros_like(r), self.alloc_len[r])
+        else:  # SWA: positions before `evicted` hold full pages only, the rest window pages too
+            self._free_positions(r, np.zeros_like(r), self.evicted[r], window=False)
+            self._free_positions(r, self.evicted[r], self.alloc_len[r])
         if self.hot is not None:
             self.hot.release(r)
         self.seq_len[r] = 0
@@ -201,8 +206,8 @@ class PrepareDecode(Stage):
     def after_commit(self, rows: np.ndarray) -> None:
         """SWA: free the window-pool pages of tokens that left the window (never the last window + ps).
 
-        Host arithmetic mirrors ``evict_outside_window`` (new = floor_page(seq - window - ps)), so the
-        allocator is only called, and the table only gathered, when some row has a page to free.
+        The arithmetic of ``evict_outside_window`` (new = floor_page(seq - window - ps)) runs on the host, which
+        names each freed page once by its first position: no mask over the table, no device read-back.
         """
         if self.window is None or len(rows) == 0:
             return
@@ -212,10 +217,12 @@ class PrepareDecode(Stage):
         go = new > old
         if not go.any():
             return
-        r, dev = rows[go], self.device
-        r_t = torch.from_numpy(r).to(dev)
-        self.alloc.evict_outside_window(self.table[r_t, : int(new[go].max())], torch.from_numpy(seq[go]).to(dev),
-                                        torch.from_numpy(old[go]).to(dev))
+        r = rows[go]
+        seg, pos = ranges(old[go], new[go])
+        first = pos % ps == 0
+        seg, pos = seg[first], pos[first]
+        self.alloc.free_swa_page_starts(self.table[torch.from_numpy(r[seg]).to(self.device),
+                                                   torch.from_numpy(pos).to(self.device)])
         self.evicted_tokens += int((new - old)[go].sum())
         self.evicted[r] = new[go]
 
@@ -238,16 +245,20 @@ class PrepareDecode(Stage):
         self._free_positions(rows, keep, self.alloc_len[rows])
         self.alloc_len[rows] = keep
 
-    def _free_positions(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+    def _free_positions(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, **how) -> None:
         """Free the slots of positions [start, end) of each row; `start` is page-aligned, so a paged pool is
-        told each page once, by its first position (host arithmetic: no de-duplication on the device)."""
+        told each page once, by its first position (host arithmetic: no de-duplication on the device).
+        `how` goes to ``free_page_starts`` (SWA: ``window=False`` for evicted positions)."""
         seg, pos = ranges(start, end)
         if self.free_by_page:
             first = pos % self.ps == 0
             seg, pos = seg[first], pos[first]
         if len(pos):
-            free = self.alloc.free_page_starts if self.free_by_page else self.alloc.free
-            free(self.table[torch.from_numpy(rows[seg]).to(self.device), torch.from_numpy(pos).to(self.device)])
+            slots = self.table[torch.from_numpy(rows[seg]).to(self.device), torch.from_numpy(pos).to(self.device)]
+            if self.free_by_page:
+                self.alloc.free_page_starts(slots, **how)
+            else:
+                self.alloc.free(slots)
 
 
 def check_window_pool(pair, window: int) -> None:

@@ -133,11 +133,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         if got is not None:
             self.blocks.append(got)
 
-    def _free(self, slots, by_page_start: bool = False) -> None:
+    def _free(self, slots, by_page_start: bool = False, **how) -> None:
         if not slots:
             return
         if by_page_start:  # whole pages named by their first slots: the same free list as freeing every slot
-            self.a.free_page_starts(t(slots[::self.page_size]))
+            self.a.free_page_starts(t(slots[::self.page_size]), **how)
         else:
             self.a.free(t(slots))
         self.ref.free(slots)
@@ -151,12 +151,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         r = data.draw(st.sampled_from(self.reqs))
         keep = data.draw(st.integers(0, (len(r.slots) - 1) // self.page_size)) * self.page_size
         by_page_start = "free_page_starts" in self.a.capabilities and data.draw(st.booleans())
-        self._free(r.slots[keep:], by_page_start)
+        self.free_positions(r, keep, by_page_start)
         r.slots = r.slots[:keep]
         r.evicted = min(r.evicted, keep)
         if not r.slots:
             self.release(r)
             self.reqs.remove(r)
+
+    def free_positions(self, r: Req, keep: int, by_page_start: bool) -> None:
+        """Frees r's positions from `keep` (page-aligned) on."""
+        self._free(r.slots[keep:], by_page_start)
 
     def release(self, r: Req) -> None:
         """Hook: a request is gone (HiSparse returns its hot buffer)."""

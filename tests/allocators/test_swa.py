@@ -61,6 +61,30 @@ def _walk(ps, window):
                 r.evicted = cut
             assert new.tolist() == [r.evicted]
 
+        @precondition(lambda self: self.reqs)
+        @rule(data=st.data())
+        def evict_by_page(self, data):
+            """The decode loop's form: the host names each page that left the window by its first slot."""
+            r = data.draw(st.sampled_from(self.reqs))
+            old = -(-r.evicted // ps) * ps
+            cut = max(len(r.slots) - window - ps, 0) // ps * ps
+            if cut > old:
+                self.a.free_swa_page_starts(t(r.slots[old:cut:ps]))
+                self.ref.free_peer(r.slots[old:cut])
+                r.evicted = cut
+
+        def free_positions(self, r, keep, by_page_start):
+            if not by_page_start:
+                return super().free_positions(r, keep, by_page_start)
+            split = max(keep, -(-r.evicted // ps) * ps)  # evicted positions hold no window page
+            if split > keep:
+                self.a.free_page_starts(t(r.slots[keep:split:ps]), window=False)
+            if len(r.slots) > split:
+                self.a.free_page_starts(t(r.slots[split::ps]))
+            self.ref.free(r.slots[keep:])
+            if self.grouped and self.group_defers:
+                self.pending += r.slots[keep:]
+
         @invariant()
         def window_slots(self):
             for r in self.reqs:
