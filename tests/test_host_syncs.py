@@ -81,6 +81,8 @@ def run_steady(monkeypatch, in_step: list, *overrides, mode=None) -> int:
     ["draft=none", "workload.logprobs=true"],
     ["draft=standalone", "draft.num_steps=3"],  # the draft model's extend took its length from the device
     ["draft=standalone", "draft.num_steps=3", "allocator=paged", "allocator.page_size=4"],
+    ["sampling.temperature=0.8", "draft.topk=4", "draft.num_steps=3"],  # F.one_hot checked its ids on the host
+    ["sampling.temperature=0.8", "sampling.top_p=0.9", "sampling.repetition_penalty=1.2", "draft=ngram"],
     # the window pool frees the pages that left the window every round, and released rows free both pools
     ["allocator=swa", "allocator.window=8", "model.sliding_window=8", "workload.num_prompts=3"],
     ["allocator=swa", "allocator.window=16", "model.sliding_window=16", "allocator.page_size=4", "draft=ngram",

@@ -27,7 +27,6 @@ increasing between rounds, so coins are never reused) with its own acceptance, b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specpipe.stages.base import Stage, branch
@@ -94,7 +93,7 @@ def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Te
     sp = torch.where(keep, sp, torch.zeros_like(sp))
     out = torch.zeros_like(probs).scatter(-1, si, sp)
     out = out / out.sum(-1, keepdim=True)
-    onehot = F.one_hot(x.argmax(-1), V).to(out.dtype)
+    onehot = torch.zeros_like(out).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # F.one_hot reads the ids back
     return torch.where(greedy[:, None, None], onehot, out)
 
 
