@@ -470,7 +470,8 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
             return (f"specpipe: invalid override {o!r}: the key before '=' is missing; overrides are key=value "
                     f"(e.g. draft.topk=4) or group=option (e.g. allocator=paged)")
         name = key.lstrip("~")
-        if o.startswith("~") and not name.startswith("hydra") and not (CONF_DIR / name).is_dir():
+        if o.startswith("~") and not name.startswith("hydra") and \
+                not any((d / name).is_dir() for d in config_dirs(c, overrides)):
             return (f"specpipe: invalid override {o}: a setting cannot be removed (the schema needs every key); "
                     f"set a value instead, {key.lstrip('~')}=VALUE.")
     try:

@@ -21,6 +21,7 @@ def myconf(tmp_path_factory):
     (root / "draft" / "mytree.yaml").write_text("defaults: [base_eagle, _self_]\ntopk: 2\nnum_steps: 4\n"
                                                 "num_draft_tokens: 6\n")
     (root / "myrun.yaml").write_text("defaults:\n  - config\n  - override model: random_tiny\n  - _self_\n")
+    (root / "withfoo.yaml").write_text("defaults:\n  - config\n  - experiment: foo\n  - _self_\n")
     (root / "model").mkdir()
     (root / "model" / "mytiny.yaml").write_text("defaults: [random_tiny, _self_]\n")
     (root / "experiment").mkdir()
@@ -36,6 +37,8 @@ WORKS = [["sweep=compile_policies", "compile=eager,split"],  # a preset is a swe
          ["hydra.searchpath=[file://{myconf}]", "+experiment=foo"], ["--cfg", "job", "draft=ngram"],
          ["-cd", "{myconf}", "-cn", "myrun", "--cfg", "job"],  # a primary config of the user's own
          ["-cd", "{myconf}", "--config-name=myrun"], ["-m", "-cd", "{myconf}", "model=mytiny,random_tiny"],
+         ["-cd", "{myconf}", "-cn", "withfoo", "~experiment"],  # a group only the user's folder has
+         ["-cd", "{myconf}", "-cn", "withfoo", "~experiment=foo"],
          ["~sweep", "--cfg", "job"], ["hydra.run.dir="], ["+hydra.job.env_set.OMP_NUM_THREADS=1"],
          ["--cfg", "job", "hydra.run.dir={file}/x"]]  # printing a config makes no output folder
 FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per command"),
@@ -47,6 +50,7 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
          (["-m", "draft.topk=range(1,4,0)"], "draft.topk=range(1,4,0): range() arg 3 must not be zero"),
          (["-m", "draft.topk=glob(*)"], "glob() picks options of a config group"),
          (["~seed"], "~seed: a setting cannot be removed"),
+         (["-cd", "{myconf}", "~experiment"], "Could not delete 'experiment'. No match in the defaults list"),
          (["+draft=ngram"], "+draft=ngram: the config already chooses a draft option; write draft=ngram"),
          (["=1"], "the key before '=' is missing"),
          (["draft.tøpk=1"], "the key 'draft.tøpk' holds a character keys cannot have"),
