@@ -236,8 +236,9 @@ def weight_files(folder: str | Path) -> list[Path]:
             f"state dicts (pytorch_model.bin, *.pt, *.pth, loaded with torch.load(weights_only=True)), never general "
             f"pickles (.ckpt, .pkl), because unpickling them can execute arbitrary code. Export the model's state "
             f"dict to model.safetensors (or save_pretrained with transformers) in an environment you trust")
-    raise CheckpointError(f"{single}: file not found; {folder} holds no weights (expected model.safetensors, or "
-                          f"model.safetensors.index.json with its shards)")
+    raise CheckpointError(f"{single}: file not found; {folder} holds no weights (expected model.safetensors, "
+                          f"model.safetensors.index.json with its shards, or a PyTorch state dict: pytorch_model.bin or "
+                          f"its .index.json, *.pt, *.pth)")
 
 
 def trainer_file(p: Path) -> bool:

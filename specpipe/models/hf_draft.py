@@ -17,11 +17,42 @@ def load_draft_folder(folder: Path, target: LlamaForCausalLM, dtype: torch.dtype
     """EagleHead or Eagle3Head, chosen by `architectures` (…Eagle3…) or by ``midlayer.*`` keys."""
     raw = read_config(folder)
     file = folder / "config.json"
+    raw = _from_speculators(raw, file)
     tensors, origin = read_tensors(weight_files(folder), dtype)
     arch = str(raw.get("architectures") or "").lower()
     if "eagle3" in arch or any(n.startswith("midlayer.") for n in tensors):
+        if not any(n.startswith("midlayer.") for n in tensors):  # vLLM's name for the one decoder layer
+            for n in [n for n in tensors if n.startswith("layers.0.")]:
+                new = "midlayer." + n.removeprefix("layers.0.")
+                tensors[new] = tensors.pop(n)
+                if n in origin:
+                    origin[new] = origin.pop(n)
         return _load_eagle3(raw, file, target, tensors, origin, device, dtype)
     return _load_eagle(raw, file, target, tensors, origin, device)
+
+
+def _from_speculators(raw: dict, file: Path) -> dict:
+    """vLLM's `speculators` format (`speculators_model_type`, e.g. RedHatAI's *.speculator.eagle3 heads): the
+    decoder layer's fields sit under `transformer_layer_config`, the EAGLE-3 fields at the top, and
+    norm_before_residual defaults to true (vLLM's rule for this format)."""
+    kind = raw.get("speculators_model_type")
+    if kind is None:
+        return raw
+    layer = raw.get("transformer_layer_config")
+    if kind != "eagle3" or not isinstance(layer, dict):
+        raise CheckpointError(f"{file}: a speculators-format head of type {kind!r}"
+                              f"{'' if isinstance(layer, dict) else ' without a transformer_layer_config object'}; "
+                              f"specpipe loads speculators heads of type 'eagle3' (and EAGLE-1/2 or EAGLE-3 heads in "
+                              f"the EAGLE/SpecForge layout)")
+    if raw.get("norm_before_fc"):
+        raise CheckpointError(f"{file}: field 'norm_before_fc' is true (an RMSNorm before fc), which specpipe's "
+                              f"EAGLE-3 head does not implement")
+    out = {**layer, "architectures": ["LlamaForCausalLMEagle3"],
+           "norm_before_residual": raw.get("norm_before_residual", True)}
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "eagle_config"):
+        if raw.get(key) is not None:
+            out[key] = raw[key]
+    return out
 
 
 def _match(cfg: LlamaConfig, target: LlamaForCausalLM, file: Path, names: tuple[str, ...]) -> None:
@@ -55,12 +86,28 @@ def _load_eagle(raw, file, target, tensors, origin, device) -> EagleHead:
 
 
 def _aux_layers(raw: dict, file: Path, n: int):
+    """The target layers whose outputs the head reads (-1: the embeddings), or None for the defaults.
+
+    Two conventions name them. sglang / SpecForge / EAGLE put ids in `eagle_config`: id i is layer i's output.
+    vLLM and speculators put them at the top level: id j is the residual stream entering layer j, i.e. layer
+    j-1's output (j=0: the embeddings, j=N: the last layer's output). When both are given, `eagle_config` wins, as in sglang."""
+    def ints(aux, lo, hi):
+        return isinstance(aux, list) and aux and all(isinstance(i, int) and not isinstance(i, bool)
+                                                     and lo <= i <= hi for i in aux)
     aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if aux is not None and (not isinstance(aux, list) or not aux
-                            or not all(isinstance(i, int) and 0 <= i < n for i in aux)):
-        raise CheckpointError(f"{file}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is {aux!r}; expected "
-                              f"a list of target layer indices in [0, {n - 1}]")
-    return aux
+    if aux is not None:
+        if not ints(aux, 0, n - 1):
+            raise CheckpointError(f"{file}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is {aux!r}; "
+                                  f"expected a list of target layer indices in [0, {n - 1}] (layer i's output)")
+        return aux
+    aux = raw.get("eagle_aux_hidden_state_layer_ids")
+    if aux is None:
+        return None
+    if not ints(aux, 0, n):
+        raise CheckpointError(f"{file}: field 'eagle_aux_hidden_state_layer_ids' is {aux!r}; expected a list of "
+                              f"target layer indices in [0, {n}] (vLLM's convention: j is the input of layer j, "
+                              f"{n} the last layer's output)")
+    return [j - 1 for j in aux]
 
 
 def _vocab_maps(raw, file, cfg, tensors, origin, vd: int) -> None:
@@ -91,8 +138,10 @@ def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Hea
     tc = target.config
     _match(cfg, target, file, ("vocab_size",))
     own_embed = "embed_tokens.weight" in tensors
-    if not own_embed:  # the head embeds tokens with the target's table
-        _match(cfg, target, file, ("hidden_size",))
+    if not own_embed and cfg.hidden_size != tc.hidden_size:  # it would embed tokens with the target's table
+        raise CheckpointError(f"{file}: field 'hidden_size' is {cfg.hidden_size} and the head has no "
+                              f"embed_tokens.weight of its own, so it would embed tokens with the target's table, whose "
+                              f"width is {tc.hidden_size}; a head of another width needs its own embeddings")
     th = raw.get("target_hidden_size") or tc.hidden_size
     if th != tc.hidden_size:
         raise CheckpointError(f"{file}: field 'target_hidden_size' is {th} but the target has hidden_size="

@@ -216,14 +216,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, batch: Optional[AttentionBatch] = None,
                 aux_layers: Optional[Sequence[int]] = None):
         """Final-norm hidden [B, Q, D]; with ``aux_layers`` (EAGLE-3), also those layers' outputs (the residual
-        stream after each), concatenated: ([B, Q, D], [B, Q, len(aux_layers)*D]). One forward either way, so
-        forward hooks (the model timer) see EAGLE-3's target forwards too."""
+        stream after each; -1: the embeddings), concatenated: ([B, Q, D], [B, Q, len(aux_layers)*D]). One forward
+        either way, so forward hooks (the model timer) see EAGLE-3's target forwards too."""
         x = self.embed_tokens(input_ids)  # [B, Q, D]
         positions = batch.positions if batch is not None else torch.arange(
             input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         keep = set(aux_layers or ())
-        outs: dict[int, Tensor] = {}  # only the requested layers' outputs stay alive
+        outs: dict[int, Tensor] = {-1: x} if -1 in keep else {}  # only the requested layers' outputs stay alive
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, self.kv)
             if i in keep:

@@ -142,3 +142,61 @@ def test_errors(setup, tmp_path):
         save_file({k: v for k, v in sd.items() if v is not None}, str(f))
         with pytest.raises(CheckpointError, match=needle):
             load_draft(tmp_path, target)
+
+
+def _write(folder, config: dict, sd: dict):
+    folder.mkdir(exist_ok=True)
+    save_file(sd, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@torch.no_grad()
+def test_vllm_top_level_aux_ids_name_the_input_of_a_layer(setup, tmp_path):
+    """vLLM (and speculators) read `eagle_aux_hidden_state_layer_ids` at the top level, as the residual stream
+    entering layer j: layer j-1's output, the embeddings for j=0. Ignoring the field drafted from the wrong layers."""
+    target, _, sd = setup
+    config = {k: v for k, v in _config().items() if k != "eagle_config"}
+    head = load_draft(_write(tmp_path / "vllm", {**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 3]}, sd), target)
+    assert head.aux_layers == [-1, 1, 2]
+    ids = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
+    _, aux = head.capture(target, ids)
+    x, outs = target.embed_tokens(ids), []
+    for layer in target.layers:  # the residual stream after each layer, by hand
+        outs.append(x := layer(x, *target.rotary(torch.arange(6)[None], x.dtype), None, target.kv))
+    assert torch.equal(aux, torch.cat((target.embed_tokens(ids), outs[1], outs[2]), -1))
+    both = {**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 3], "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}
+    assert load_draft(_write(tmp_path / "both", both, sd), target).aux_layers == AUX  # sglang's field wins
+    save_eagle(head, tmp_path / "saved", dtype="float32")
+    assert load_draft(tmp_path / "saved", target).aux_layers == [-1, 1, 2]  # the embeddings survive a round trip
+    with pytest.raises(CheckpointError, match=r"'eagle_aux_hidden_state_layer_ids' is \[1, 5\].*\[0, 4\]"):
+        load_draft(_write(tmp_path / "bad", {**config, "eagle_aux_hidden_state_layer_ids": [1, 5]}, sd), target)
+
+
+@torch.no_grad()
+def test_speculators_format_loads_like_the_eagle_layout(setup, tmp_path):
+    """RedHatAI-style heads for vLLM: layer fields under transformer_layer_config, tensors named layers.0.*,
+    norm_before_residual true unless the file says otherwise."""
+    target, folder, sd = setup
+    ref = load_draft(_write(tmp_path / "ref", {**_config(), "norm_before_residual": True}, sd), target)
+    layer = {k: v for k, v in _config().items() if k not in ("architectures", "draft_vocab_size", "eagle_config")}
+    spec = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": VD,
+            "transformer_layer_config": layer, "eagle_aux_hidden_state_layer_ids": [a + 1 for a in AUX],
+            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"speculative_tokens": 3}],
+                                   "verifier": {"name_or_path": "x", "architectures": ["LlamaForCausalLM"]}}}
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+    head = load_draft(_write(tmp_path / "spec", spec, renamed), target)
+    assert head.aux_layers == AUX and head.midlayer.norm_before_residual
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(6))
+    aux = ref.capture(target, ids)[1]
+    assert torch.equal(head.logits(head(ids, aux)), ref.logits(ref(ids, aux)))
+    with pytest.raises(CheckpointError, match="norm_before_fc"):
+        load_draft(_write(tmp_path / "fc", {**spec, "norm_before_fc": True}, renamed), target)
+    with pytest.raises(CheckpointError, match="speculators-format head of type 'mlp_speculator'"):
+        load_draft(_write(tmp_path / "mlp", {**spec, "speculators_model_type": "mlp_speculator"}, renamed), target)
+
+
+def test_a_wider_head_without_its_own_embeddings_is_named_as_such(setup, tmp_path):
+    target, _, sd = setup
+    with pytest.raises(CheckpointError, match="hidden_size' is 96 and the head has no embed_tokens.weight"):
+        load_draft(_write(tmp_path / "w", {**_config(), "hidden_size": 96, "target_hidden_size": H}, sd), target)
