@@ -189,8 +189,14 @@ class Pipeline:
         prefill = self.pages(lens)
         grow = self.growth_pages(self.rows) + np.cumsum(self.pages(lens + self.growth) - prefill)
         scratch = self.pages(self.scratch_tokens(len(self.reqs) + np.arange(1, len(reqs) + 1)))
-        need = (np.cumsum(prefill) + np.maximum(grow, scratch)) * self.prep.ps
-        return int(np.searchsorted(need, self.prep.available(), side="right"))
+        room = np.maximum(grow, scratch)
+        need = (np.cumsum(prefill) + room) * self.prep.ps
+        if self.prep.window is None:
+            return int(np.searchsorted(need, self.prep.available(), side="right"))
+        # SWA: the full pool holds every prefill token; the window pool, a prefill run a page at a time at worst
+        fits = int(np.searchsorted(need, self.prep.alloc.full_available(), side="right"))
+        window = (np.cumsum(self.prep.window_prefill_pages(lens, self.prep.ps)[0]) + room) * self.prep.ps
+        return min(fits, int(np.searchsorted(window, self.prep.alloc.swa_available(), side="right")))
 
     def admit_fits(self, reqs: list[Request]) -> bool:
         return self.fitting_prefix(reqs) == len(reqs)
@@ -200,14 +206,26 @@ class Pipeline:
 
     def fail_too_big(self, req: Request) -> None:
         """The request cannot fit even alone: it fails (keeping what it generated), the run goes on."""
+        ps, alloc = self.prep.ps, self.prep.alloc
         tokens = len(req.prompt_ids) + len(req.output_ids) + self.growth
-        scratch = int(self.pages(self.scratch_tokens(1))) * self.prep.ps
+        scratch = int(self.pages(self.scratch_tokens(1))) * ps
         also = f" plus {scratch} slots of draft scratch" if scratch else ""
         at = f" (after {len(req.output_ids)} generated tokens, which are kept)" if req.output_ids else ""
-        self.fail(req, f"the KV pool ({self.prep.alloc.size} slots) cannot hold this request's {tokens} tokens"
-                       f"{also}{at}; raise {getattr(self.prep.alloc, 'size_setting', 'allocator.num_slots')} to at least "
-                       f"{self.pages(len(req.prompt_ids) + req.max_new_tokens + self.growth) * self.prep.ps + scratch} "
-                       f"for it to finish")
+        full = self.pages(len(req.prompt_ids) + req.max_new_tokens + self.growth) * ps + scratch
+        if self.prep.window is None:
+            self.fail(req, f"the KV pool ({alloc.size} slots) cannot hold this request's {tokens} tokens{also}{at}; "
+                           f"raise {getattr(alloc, 'size_setting', 'allocator.num_slots')} to at least {full} for it "
+                           f"to finish")
+            return
+        # SWA: name each pool that is short for this request alone, with what it needs to finish
+        longest = np.asarray([len(req.prompt_ids) + req.max_new_tokens + self.growth])
+        window = (int(self.prep.window_prefill_pages(longest, ps)[1]) + self.pages(self.growth)) * ps + scratch
+        pools = [(f"the full pool ({alloc.full.size} slots)", "allocator.num_slots", full, alloc.full.size),
+                 (f"the window pool ({alloc.swa.size} slots)", "allocator.swa_num_slots", window, alloc.swa.size)]
+        short = [p[:3] for p in pools if p[2] > p[3]] or [p[:3] for p in pools]
+        self.fail(req, f"{' and '.join(w for w, _, _ in short)} cannot hold this request's {tokens} tokens{also}{at} "
+                       f"(the window pool keeps its last allocator.window={self.prep.window} tokens, and a prefill runs "
+                       f"in chunks); raise {' and '.join(f'{k} to at least {n}' for _, k, n in short)} for it to finish")
 
     # ---- host-side token bookkeeping ---------------------------------------------------
     def append_tokens(self, req: Request, tokens: list, logprobs: Optional[list] = None) -> int:
@@ -276,9 +294,6 @@ class Pipeline:
         rows_np = np.asarray(rows, dtype=np.int64)
         prefill = [r.prefill_ids for r in reqs]
         lens = np.asarray([len(p) for p in prefill], dtype=np.int64)
-        if not self.prep.reserve(rows_np, lens):
-            self.prep.release_rows(rows)
-            return None
         T = int(lens.max())
         ids = torch.zeros((len(reqs), T), dtype=torch.int64)
         for b, p in enumerate(prefill):
@@ -286,9 +301,15 @@ class Pipeline:
         ids = ids.to(self.dev)
         rows_t = torch.from_numpy(rows_np).to(self.dev)
         lens_t = torch.from_numpy(lens).to(self.dev)
+        last = lens_t - 1
+        chunk = self.prefill_chunk(lens)
+        if chunk == 0 or (chunk is None and not self.prep.reserve(rows_np, lens)):
+            self.prep.release_rows(rows)
+            return None
+        if chunk is not None:
+            return self.prefill_in_chunks(reqs, rows_np, lens, ids, chunk)
         batch = self.prep.decorate(extend_batch(self.prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T)))
         batch.fresh_causal = True
-        last = lens_t - 1
         packed = self.pack_prefill(batch, lens, T) if len(reqs) > 1 and int(lens.min()) < T else None
         fwd_ids, fwd_batch = (ids, batch) if packed is None else (ids.reshape(1, -1)[:, packed[0]], packed[1])
         if self.feature_layers:  # EAGLE-3: hidden = the chosen layers' outputs (features)
@@ -304,6 +325,59 @@ class Pipeline:
         logits = self.target.logits(newest)  # [B, V]
         self.prep.commit(rows_np, lens)
         self.prep.after_commit(rows_np)
+        return pf, logits
+
+    def prefill_chunk(self, lens: np.ndarray) -> Optional[int]:
+        """SWA: the tokens per forward of a prefill whose prompts the window pool cannot hold whole (the most
+        that fits, in pages; 0: not even a page at a time), or None to prefill in one forward. Sliding layers
+        keep only the window, so a prefill run in chunks frees what left the window between them: a prompt
+        (or a retracted request's context) longer than the window pool runs."""
+        prep = self.prep
+        if prep.window is None:
+            return None
+        ps, budget = prep.ps, prep.alloc.swa_available() // prep.ps
+        if int(self.pages(lens).sum()) <= budget:
+            return None
+        lo, hi = 0, -(-int(lens.max()) // ps)  # chunk pages: the largest with the group's peak within budget
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prep.window_prefill_pages(lens, mid * ps)[1] <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * ps
+
+    def prefill_in_chunks(self, reqs: list[Request], rows: np.ndarray, lens: np.ndarray, ids: Tensor, chunk: int):
+        """`prefill_target` `chunk` tokens at a time: each chunk reserves its slots, attends to the cached prefix
+        through the pool (sliding layers see only their window), commits, and frees what left the window."""
+        prep, dev, B, T = self.prep, self.dev, len(reqs), ids.shape[1]
+        rows_t = torch.from_numpy(rows).to(dev)
+        finals, hiddens = [], []
+        for start in range(0, T, chunk):
+            prev, end = np.minimum(lens, start), np.minimum(lens, start + chunk)
+            if not prep.reserve(rows, end - prev):
+                prep.release_rows(rows.tolist())
+                return None
+            part = extend_batch(prep.table, rows_t, torch.from_numpy(prev).to(dev),
+                                torch.from_numpy(end - prev).to(dev), chunk, bucket(int(end.max())))
+            part.fresh_causal = start == 0  # no cached prefix yet: the prefill's own causal kernels
+            part_ids = torch.zeros((B, chunk), dtype=torch.int64, device=dev)
+            part_ids[:, : min(chunk, T - start)] = ids[:, start: start + chunk]
+            if self.feature_layers:
+                final, hidden = self.target(part_ids, prep.decorate(part), aux_layers=self.feature_layers)
+            else:
+                final = hidden = self.target(part_ids, prep.decorate(part))
+            finals.append(final)
+            hiddens.append(hidden)
+            prep.commit(rows, end)
+            prep.after_commit(rows)
+        final, hidden = torch.cat(finals, 1)[:, :T], torch.cat(hiddens, 1)[:, :T]
+        lens_t = torch.from_numpy(lens).to(dev)
+        batch = prep.decorate(extend_batch(prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T)))
+        batch.fresh_causal = True  # the drafters' view of the whole prompt (their pools keep every token)
+        last = lens_t - 1
+        pf = Prefill(rows, lens, ids, batch, last, _hidden=hidden)
+        logits = self.target.logits(final[torch.arange(B, device=dev), last])  # [B, V]
         return pf, logits
 
     def pack_prefill(self, batch, lens: np.ndarray, T: int):

@@ -233,7 +233,7 @@ def validate(cfg: DictConfig) -> None:
             errors.append(f"allocator.swa_num_slots={swa_slots} is smaller than one request needs in the window "
                           f"pool ({need} slots: the last allocator.window={a.window} tokens, or all "
                           f"max_new_tokens={w.max_new_tokens}, plus draft and verify space at page_size={ps}); use "
-                          f"allocator.swa_num_slots>={need} (a prompt's prefill also holds all its tokens there)")
+                          f"allocator.swa_num_slots>={need} (a longer prompt is prefilled in chunks)")
     if "window" in a and a.window < 1:
         errors.append(f"allocator.window={a.window} must be >= 1 (tokens a sliding-window layer sees; the model's "
                       f"own sliding_window is the usual value)")

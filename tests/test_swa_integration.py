@@ -116,20 +116,49 @@ def test_sliding_layers_read_only_the_window_pool():
     assert alloc.swa_available() == alloc.swa.size and alloc.full_available() == alloc.full.size
 
 
-def test_a_prompt_longer_than_the_window_pool_names_swa_num_slots(tmp_path):
-    """A prefill writes every prompt token into the window pool too: when that pool is the short one, the
-    request's error names allocator.swa_num_slots, and the size it names is enough."""
+@pytest.mark.parametrize("draft,ps,slots", [("none", 1, 96), ("eagle", 1, 96), ("eagle", 16, 192), ("ngram", 4, 96)])
+def test_a_prompt_longer_than_the_window_pool_is_prefilled_in_chunks(tmp_path, draft, ps, slots):
+    """Sliding layers keep only the window, so a prefill run in chunks frees what left the window between them:
+    prompts longer than the whole window pool decode to the target's own greedy output."""
+    prompts = write_prompts(tmp_path / "long.jsonl", random_prompts(3, [200, 150, 9]))
+    want = decode(prompts, "alternate", "draft=none", "allocator=token")[0]
+    got, m = decode(prompts, "alternate", f"draft={draft}", "allocator=swa", f"allocator.window={WINDOW}",
+                    f"allocator.page_size={ps}", f"allocator.swa_num_slots={slots}", "allocator.debug=true")
+    assert got == want and m["num_errors"] == 0
+    assert m["swa_window_peak_slots"] <= slots < 200
+    assert m["kv_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
+
+
+@pytest.mark.parametrize("draft", ["none", "eagle"])
+def test_a_retracted_request_resumes_though_its_context_outgrew_the_window_pool(tmp_path, draft):
+    """A retraction re-prefills prompt + output, which the window pool held only a window of: the request
+    resumes (chunked) instead of failing, and both requests still decode the target's greedy output."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_ids": [5]}\n{"prompt_ids": [%s]}\n' % ", ".join(["7"] * 33))
+    over = ("workload.ignore_eos=true", "workload.batch_size=2", "workload.max_new_tokens=50")
+    want = decode(str(path), "all", "draft=none", "allocator=token", *over)[0]
+    got, m = decode(str(path), "all", f"draft={draft}", "allocator=swa", f"allocator.window={WINDOW}",
+                    "allocator.page_size=4", "allocator.num_slots=120", "allocator.swa_num_slots=64",
+                    "allocator.debug=true", *over)
+    assert got == want and m["num_errors"] == 0 and m["retractions"] >= (draft == "none")
+    assert m["kv_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
+
+
+def test_a_request_the_full_pool_cannot_hold_names_num_slots(tmp_path):
+    """The full pool holds every token: when it is the short one the error names allocator.num_slots (not the
+    window pool, which chunks), and the size it names is enough."""
     prompts = write_prompts(tmp_path / "long.jsonl", random_prompts(3, [200]))
 
-    def one(swa_slots):
+    def one(slots):
         cfg = compose("model=random_tiny", "device.dtype=float64", f"model.sliding_window={WINDOW}",
                       f"workload.prompts_file={prompts}", f"workload.max_new_tokens={NEW}", "draft=none",
-                      "allocator=swa", f"allocator.window={WINDOW}", "allocator.num_slots=600",
-                      f"allocator.swa_num_slots={swa_slots}")
+                      "allocator=swa", f"allocator.window={WINDOW}", f"allocator.num_slots={slots}",
+                      "allocator.swa_num_slots=64")
         return run(cfg, quiet=True)["requests"][0]
 
     r = one(128)
-    assert r.finish_reason == "error" and "raise allocator.swa_num_slots" in r.error
+    assert r.finish_reason == "error" and "the full pool (128 slots)" in r.error
+    assert "raise allocator.num_slots to at least" in r.error and "swa_num_slots" not in r.error
     assert one(int(r.error.split("at least ")[1].split()[0])).finish_reason in ("length", "stop")
 
 

@@ -154,12 +154,6 @@ class SWAAllocator(PairedAllocator):
     def swa_pool_slots(self) -> int:
         return self.swa.pool_slots
 
-    @property
-    def size_setting(self) -> str:
-        if self.swa.size < self.full.size:  # a prefill writes every prompt token into the window pool too
-            return "allocator.swa_num_slots (the window pool holds a whole prompt while it is prefilled)"
-        return "allocator.num_slots"
-
     def full_available(self) -> int:
         return self.full.available()
 

@@ -104,6 +104,17 @@ class PrepareDecode(Stage):
         self.note_peak()
         return True
 
+    def window_prefill_pages(self, lens: np.ndarray, chunk: int) -> tuple[np.ndarray, int]:
+        """SWA: window-pool pages fresh rows hold while a prefill of `lens` runs `chunk` tokens at a time, freeing
+        after each chunk the pages that left the window (``after_commit``'s rule): ([B] each row's peak, the
+        group's peak, chunks running in lockstep). Host arithmetic mirroring reserve / commit / after_commit."""
+        ps, lens = self.ps, np.asarray(lens, dtype=np.int64)
+        starts = np.arange(0, int(lens.max()), chunk, dtype=np.int64)[:, None]  # [K, 1]
+        prev, end = np.minimum(lens, starts), np.minimum(lens, starts + chunk)  # [K, B]
+        evicted = np.maximum(prev - self.window - ps, 0) // ps
+        held = -(-end // ps) - evicted  # a row done with its prompt (prev == end) holds what after_commit left
+        return held.max(0), int(held.sum(1).max())
+
     def note_peak(self) -> None:
         """After a take from the pool (a reservation, or a draft round's scratch, which holds slots too)."""
         self.peak_used = max(self.peak_used, self.alloc.size - self.alloc.available())
