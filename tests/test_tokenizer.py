@@ -307,3 +307,11 @@ def test_a_broken_tokenizer_config_stops_the_load(tmp_path):
         with pytest.raises(CheckpointError, match=fragment) as e:
             load_tokenizer(tmp_path, cfg, {"model_type": "llama"})
         assert str(tmp_path / "tokenizer_config.json") in str(e.value)
+
+
+def test_ids_the_library_cannot_take_decode_to_nothing(sp):
+    """A prompt of negative or huge ids is refused per request, but its record is still written with the prompt
+    decoded: tokenizers raised OverflowError there, which lost every completion of the run."""
+    ids = sp.encode("The cat sat")
+    assert sp.decode([-1, *ids, 2**40, sp.vocab_size]) == sp.decode(ids)
+    assert output_text(sp, [-3, 2**33], ids) == sp.decode(ids)
