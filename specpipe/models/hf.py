@@ -67,20 +67,33 @@ def _family(raw: dict, file: Path, draft: bool) -> str:
                           f"cannot load (valid: {', '.join(TARGET_ARCHS)})")
 
 
-def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None) -> int:
+def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None, name: Optional[str] = None) -> int:
     v = raw.get(key, default)
     if not is_int(v) or v <= 0:
         what = "is missing" if v is None else f"must be a positive integer, got {v!r}"
+        key = name or key
         raise CheckpointError(f"{file}: required field '{key}' {what}")
     return v
 
 
-def _positive_number(raw: dict, key: str, file: Path, default: float) -> float:
+def _positive_number(raw: dict, key: str, file: Path, default: float, name: Optional[str] = None) -> float:
     v = raw.get(key)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-        raise CheckpointError(f"{file}: field '{key}' must be a positive number, got {v!r}")
+        raise CheckpointError(f"{file}: field '{name or key}' must be a positive number, got {v!r}")
+    return float(v)
+
+
+ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                "mscale", "mscale_all_dim")
+
+
+def _number(raw: dict, key: str, file: Path, name: str) -> float:
+    """A finite number (RoPE scaling settings); a string or a list would fail far from its cause."""
+    v = raw[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
+        raise CheckpointError(f"{file}: field '{name}' must be a number, got {v!r}")
     return float(v)
 
 
@@ -110,7 +123,9 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         raise CheckpointError(f"{file}: field '{key}' must be one dict of RoPE settings (per-layer-type RoPE "
                               f"is not supported), got {rp!r}")
-    theta = float(raw.get("rope_theta") or rp.get("rope_theta") or 10000.0)
+    # transformers 5 fills rope_parameters' rope_theta from the top level only when the dict lacks one
+    theta = _positive_number(rp, "rope_theta", file, 0.0, f"{key}.rope_theta") or \
+        _positive_number(raw, "rope_theta", file, 10000.0)
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise CheckpointError(f"{file}: field '{key}.rope_type' is {kind!r}, which specpipe does not implement "
@@ -124,23 +139,37 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
     if kind in ("default", "dynamic"):  # dynamic NTK only rescales beyond max_position_embeddings, which
         return theta, None               # requests may not pass (make_requests): it is the default RoPE here
     scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-    if kind in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
-        scaling["original_max_position_embeddings"] = _int_field(
-            raw, "original_max_position_embeddings" if raw.get("original_max_position_embeddings") else
-            "max_position_embeddings", file)
+    for name in ROPE_NUMBERS:
+        if scaling.get(name) is not None:
+            _number(scaling, name, file, f"{key}.{name}")
+    if kind in ("llama3", "yarn") and raw.get("original_max_position_embeddings") is not None:
+        # transformers 5 lets the top-level field win over the dict's (Phi-3 saves the pretraining length there)
+        scaling["original_max_position_embeddings"] = _int_field(raw, "original_max_position_embeddings", file)
+    elif kind in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = _int_field(raw, "max_position_embeddings", file)
+    elif kind in ("llama3", "yarn"):
+        _int_field(scaling, "original_max_position_embeddings", file, name=f"{key}.original_max_position_embeddings")
     return theta, scaling
 
 
 def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[int], Optional[list]]:
     """(sliding_window, layer_types) with Hugging Face's semantics for each family."""
-    if family == "mistral":  # HF Mistral applies the window to every layer
-        return (None if raw.get("sliding_window") is None else _int_field(raw, "sliding_window", file)), None
+    if family == "mistral":  # HF Mistral applies the window to every layer; MistralConfig's default is 4096
+        window = raw.get("sliding_window", 4096)
+        return (None if window is None else _int_field({"sliding_window": window}, "sliding_window", file)), None
     if family not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
         return None, None
     first = raw.get("max_window_layers", 28)
+    if not is_int(first) or first < 0:
+        raise CheckpointError(f"{file}: field 'max_window_layers' must be an integer >= 0, got {first!r}")
     types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if len(types) != layers:
-        raise CheckpointError(f"{file}: field 'layer_types' has {len(types)} entries but num_hidden_layers={layers}")
+    if not isinstance(types, list) or len(types) != layers:
+        raise CheckpointError(f"{file}: field 'layer_types' has {len(types) if isinstance(types, list) else types!r} "
+                              f"entries but num_hidden_layers={layers}")
+    odd = next((t for t in types if t not in ("sliding_attention", "full_attention")), None)
+    if odd is not None:
+        raise CheckpointError(f"{file}: field 'layer_types' holds {odd!r}; specpipe implements 'full_attention' and "
+                              f"'sliding_attention' layers")
     if "sliding_attention" not in types:
         return None, None
     return _int_field(raw, "sliding_window", file), list(types)
@@ -165,7 +194,7 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
     o_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias"))
     layers = _int_field(raw, "num_hidden_layers", file, 1 if draft else None)
     heads = _int_field(raw, "num_attention_heads", file)
-    kv_heads = _int_field(raw, "num_key_value_heads", file, heads)
+    kv_heads = _int_field(raw, "num_key_value_heads", file, 8 if family == "mistral" else heads)  # HF's defaults
     if heads % kv_heads:
         raise CheckpointError(f"{file}: field 'num_key_value_heads' is {kv_heads}, which does not divide "
                               f"num_attention_heads={heads} (grouped-query attention shares each KV head among "

@@ -279,7 +279,8 @@ def check_window_pool(pair, window: int) -> None:
     name = getattr(pair, "name", "") or "this model"
     if not windows:
         raise ConfigError(f"allocator=swa keeps a window pool for sliding-window layers, but {name!r} has no "
-                          "sliding-window layers (its config sets no sliding_window); use a model with sliding "
+                          "sliding-window layers (its config sets no sliding_window, or for Qwen2/Qwen3 no use_sliding_window "
+                          "with max_window_layers below num_hidden_layers); use a model with sliding "
                           "window attention, e.g. model=random_tiny model.sliding_window=64, or another "
                           "allocator (allocator=token or allocator=paged)")
     if window < max(windows):

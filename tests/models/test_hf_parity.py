@@ -133,3 +133,21 @@ def test_saved_qwen3_and_biased_llama_read_back_by_transformers(transformers, ma
     assert type(back) is type(model)
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(9))
     assert (back(ids).logits - model(ids).logits).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("fields", [
+    {"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},  # the dict's wins
+    {"original_max_position_embeddings": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                                 "original_max_position_embeddings": 128}},
+    {"original_max_position_embeddings": 256, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 5e5,
+        "original_max_position_embeddings": 64}},  # the top-level field wins (transformers 5, for Phi-3)
+])
+def test_rope_settings_given_twice_resolve_as_in_transformers(transformers, make_hf_model, edit_config, tmp_path, fields):
+    folder = tmp_path / "m"
+    make_hf_model("llama").save_pretrained(folder)
+    edit_config(folder, rope_scaling=None, **fields)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).model.rotary_emb
+    mine = load_target(folder).rotary
+    assert torch.allclose(mine.inv_freq.float(), ref.inv_freq.float(), rtol=1e-6, atol=0)
+    assert mine.scale == pytest.approx(float(ref.attention_scaling))

@@ -190,11 +190,27 @@ def test_config_errors(target_copy, edit_config):
     _raises(lambda: load_target(target_copy), cfg, "'num_key_value_heads' is 3, which does not divide")
     edit_config(target_copy, num_key_value_heads=None, head_dim=7)
     _raises(lambda: load_target(target_copy), cfg, "'head_dim' (or hidden_size / num_attention_heads) is 7")
-    edit_config(target_copy, head_dim=None, architectures=["MistralForCausalLM"], sliding_window=0)
+    edit_config(target_copy, head_dim=None, architectures=["MistralForCausalLM"])  # MistralConfig: 8 KV heads
+    _raises(lambda: load_target(target_copy), cfg, "'num_key_value_heads' is 8, which does not divide")
+    edit_config(target_copy, num_key_value_heads=2, sliding_window=0)
     _raises(lambda: load_target(target_copy), cfg, "'sliding_window' must be a positive integer, got 0")
     edit_config(target_copy, architectures=["LlamaForCausalLM"], sliding_window=None)
     edit_config(target_copy, rope_scaling={"rope_type": "yarn", "factor": "4x"})
     _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.factor' must be a positive number, got '4x'")
+    edit_config(target_copy, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": "x"})
+    _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.low_freq_factor' must be a number, got 'x'")
+    edit_config(target_copy, rope_scaling=None, rope_parameters={"rope_type": "default", "rope_theta": "abc"})
+    _raises(lambda: load_target(target_copy), cfg, "'rope_parameters.rope_theta' must be a positive number")
+    edit_config(target_copy, rope_parameters=None, rope_theta=-5.0)  # NaN logits at every request before
+    _raises(lambda: load_target(target_copy), cfg, "'rope_theta' must be a positive number, got -5.0")
+    edit_config(target_copy, rope_theta=None, architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                sliding_window=16, max_window_layers="1")
+    _raises(lambda: load_target(target_copy), cfg, "'max_window_layers' must be an integer >= 0, got '1'")
+    n = json.loads((target_copy / "config.json").read_text())["num_hidden_layers"]
+    edit_config(target_copy, max_window_layers=None, layer_types=["full_attention"] * (n - 1) + ["chunked_attention"])
+    _raises(lambda: load_target(target_copy), cfg, "'layer_types' holds 'chunked_attention'")
+    edit_config(target_copy, architectures=["LlamaForCausalLM"], use_sliding_window=None, sliding_window=None,
+                layer_types=None)
     edit_config(target_copy, rope_scaling=None, rms_norm_eps="x")  # before: a ValueError deep in a float()
     _raises(lambda: load_target(target_copy), cfg, "'rms_norm_eps' must be a positive number, got 'x'")
     edit_config(target_copy, rms_norm_eps=None, max_position_embeddings="4k")
@@ -264,8 +280,13 @@ def test_parse_config_variants():
     assert qwen.eos_token_id == 7 and qwen.extra["eos_token_ids"] == [7, 9]
     qwen_off = parse_config({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 8}, f)
     assert qwen_off.sliding_window is None
-    mistral = parse_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 8}, f)
+    mistral = parse_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 8,
+                            "num_key_value_heads": 2}, f)
     assert [mistral.window_of(i) for i in range(4)] == [8] * 4
+    bare = parse_config({**base, "num_attention_heads": 16, "architectures": ["MistralForCausalLM"]}, f)
+    assert bare.num_key_value_heads == 8 and bare.sliding_window == 4096  # MistralConfig's defaults
+    assert parse_config({**base, "num_attention_heads": 16, "architectures": ["MistralForCausalLM"],
+                         "sliding_window": None}, f).sliding_window is None
     # llama3 / yarn without original_max_position_embeddings: the top-level field, else max_position_embeddings
     no_ctx = {"rope_type": "yarn", "factor": 4.0}
     top = parse_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": no_ctx,
