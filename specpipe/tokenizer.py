@@ -69,9 +69,9 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        # ids past the vocabulary decode to nothing, as the library does, and ones it cannot take (negative,
-        # >= 2**32: an errored request's prompt_ids) do not raise OverflowError in the completions writer
-        return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=True)
+        # ids the library cannot take (negative, >= 2**32: an errored request's prompt_ids) decode to nothing, as
+        # ids past the vocabulary do there, instead of raising OverflowError in the completions writer
+        return self._tok.decode([i for i in ids if 0 <= i < 2**32], skip_special_tokens=True)  # the library's u32
 
     @cached_property
     def special_ids(self) -> frozenset:

@@ -227,13 +227,14 @@ def validate(cfg: DictConfig) -> None:
     if swa_slots is not None and swa_slots < 1:
         errors.append(f"allocator.swa_num_slots={swa_slots} must be positive (or null: the same as num_slots)")
     elif swa_slots is not None and "window" in a and a.window >= 1 and ps_ok:
-        # the window pool holds a request's newest window tokens plus a step's draft space, or all of a short one
-        need = min(one_request_slots(cfg), -(-a.window // ps) * ps + one_request_slots(cfg, new_tokens=0))
+        # the window pool holds a request's newest window tokens plus a step's draft space: what a decode step and
+        # a prefill run in chunks (a page at a time at worst) need, whatever the prompt's length
+        need = -(-a.window // ps) * ps + one_request_slots(cfg, new_tokens=0)
         if swa_slots < need:
             errors.append(f"allocator.swa_num_slots={swa_slots} is smaller than one request needs in the window "
-                          f"pool ({need} slots: the last allocator.window={a.window} tokens, or all "
-                          f"max_new_tokens={w.max_new_tokens}, plus draft and verify space at page_size={ps}); use "
-                          f"allocator.swa_num_slots>={need} (a longer prompt is prefilled in chunks)")
+                          f"pool ({need} slots: the last allocator.window={a.window} tokens plus draft and verify "
+                          f"space at page_size={ps}; a prompt of any length is prefilled in chunks within it); use "
+                          f"allocator.swa_num_slots>={need}")
     if "window" in a and a.window < 1:
         errors.append(f"allocator.window={a.window} must be >= 1 (tokens a sliding-window layer sees; the model's "
                       f"own sliding_window is the usual value)")

@@ -175,9 +175,30 @@ def test_the_smallest_window_pool_validation_accepts_serves_a_short_request(tmp_
     with pytest.raises(ConfigError, match="smaller than one request needs in the window pool") as e:
         validate(compose(*base, "allocator.swa_num_slots=8"))
     need = int(str(e.value).split("swa_num_slots>=")[1].split()[0])
-    with pytest.raises(ConfigError, match=f"swa_num_slots>={need} "):
+    with pytest.raises(ConfigError, match=f"swa_num_slots>={need}($|\\D)"):
         validate(compose(*base, f"allocator.swa_num_slots={need - 1}"))
     out = run(compose(*base, f"allocator.swa_num_slots={need}"), quiet=True)
     r = out["requests"][0]
     assert r.finish_reason == "length" and len(r.output_ids) == 64
     assert out["metrics"]["swa_evicted_tokens"] > 0 and out["metrics"]["swa_window_peak_slots"] <= need
+
+
+@pytest.mark.parametrize("draft,ps", [("none", 1), ("eagle", 4), ("ngram", 16)])
+def test_the_smallest_valid_window_pool_runs_prompts_of_any_length(tmp_path, draft, ps):
+    """The minimum swa_num_slots validation names holds a chunked prefill: prompts around and far past the window
+    run at it even when max_new_tokens is below the window (it once sized the pool from max_new_tokens alone)."""
+    window, new = 32, 8
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join('{"prompt_ids": [%s]}\n' % ", ".join(str(10 + i % 200) for i in range(n))
+                            for n in (window - 1, window, 2 * window, 5 * window + 3)))
+    over = ["model=random_tiny", "device.dtype=float64", f"model.sliding_window={window}", f"draft={draft}",
+            "allocator=swa", f"allocator.window={window}", f"allocator.page_size={ps}",
+            f"workload.max_new_tokens={new}", f"workload.prompts_file={path}"]
+    with pytest.raises(ConfigError, match="use allocator.swa_num_slots>=") as e:
+        validate(compose(*over, "allocator.swa_num_slots=1"))
+    least = int(str(e.value).split("swa_num_slots>=")[1].split()[0].rstrip(".;,)"))
+    out = run(compose(*over, f"allocator.swa_num_slots={least}", "allocator.debug=true"), quiet=True)
+    assert [r.finish_reason for r in out["requests"]] == ["length"] * 4, [r.error for r in out["requests"]]
+    base = run(compose(*over[:-6], "draft=none", f"workload.max_new_tokens={new}", f"workload.prompts_file={path}"),
+               quiet=True)
+    assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in base["requests"]]

@@ -315,3 +315,14 @@ def test_ids_the_library_cannot_take_decode_to_nothing(sp):
     ids = sp.encode("The cat sat")
     assert sp.decode([-1, *ids, 2**40, sp.vocab_size]) == sp.decode(ids)
     assert output_text(sp, [-3, 2**33], ids) == sp.decode(ids)
+
+
+def test_ids_above_the_token_count_still_decode(tmp_path):
+    """A vocabulary with gaps in its ids has ids past get_vocab_size(): they are real tokens, not to be dropped."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    t = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 5, "[UNK]": 2}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "gap.json"))
+    tok = HFTokenizer(tmp_path / "gap.json")
+    assert tok.decode([0, 1, 5]) == t.decode([0, 1, 5]) == "a b c" and tok.decode([-1, 5, 2**32]) == "c"

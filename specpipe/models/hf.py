@@ -118,7 +118,7 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
 
     llama3 and yarn take original_max_position_embeddings from the top level of config.json, else from
     max_position_embeddings, when the RoPE dict does not name it (as transformers does)."""
-    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"  # transformers 5: rope_scaling wins
     rp = raw.get(key) or {}
     if not isinstance(rp, dict) or any(isinstance(v, dict) for v in rp.values()):
         raise CheckpointError(f"{file}: field '{key}' must be one dict of RoPE settings (per-layer-type RoPE "

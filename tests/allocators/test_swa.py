@@ -77,11 +77,10 @@ def _walk(ps, window):
             if not by_page_start:
                 return super().free_positions(r, keep, by_page_start)
             split = max(keep, -(-r.evicted // ps) * ps)  # evicted positions hold no window page
-            if split > keep:
-                self.a.free_page_starts(t(r.slots[keep:split:ps]), window=False)
-            if len(r.slots) > split:
-                self.a.free_page_starts(t(r.slots[split::ps]))
-            self.ref.free(r.slots[keep:])
+            for part, window in ((r.slots[keep:split], False), (r.slots[split:], True)):  # two frees, in order
+                if part:
+                    self.a.free_page_starts(t(part[::ps]), window=window)
+                    self.ref.free(part)
             if self.grouped and self.group_defers:
                 self.pending += r.slots[keep:]
 

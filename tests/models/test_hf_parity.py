@@ -142,11 +142,13 @@ def test_saved_qwen3_and_biased_llama_read_back_by_transformers(transformers, ma
     {"original_max_position_embeddings": 256, "rope_parameters": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 5e5,
         "original_max_position_embeddings": 64}},  # the top-level field wins (transformers 5, for Phi-3)
+    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500.0,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 50.0}},  # rope_scaling wins over rope_parameters
 ])
 def test_rope_settings_given_twice_resolve_as_in_transformers(transformers, make_hf_model, edit_config, tmp_path, fields):
     folder = tmp_path / "m"
     make_hf_model("llama").save_pretrained(folder)
-    edit_config(folder, rope_scaling=None, **fields)
+    edit_config(folder, **{"rope_scaling": None, **fields})
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).model.rotary_emb
     mine = load_target(folder).rotary
     assert torch.allclose(mine.inv_freq.float(), ref.inv_freq.float(), rtol=1e-6, atol=0)
