@@ -126,6 +126,9 @@ class Pipeline:
         self.device = device
         self.dev = device.torch_device
         self.prep = PrepareDecode(allocator, max_requests, max_context, self.dev)
+        top_k = getattr(target.config, "sparse_top_k", None)
+        if self.prep.hot is not None and top_k:  # hisparse: the hot buffers' size is known from the model
+            self.prep.hot.plan(top_k + target.config.sparse_local)
         self.eos = stop_set(eos_token_id)  # every id that ends a request (Llama-3 instruct has several)
         self.metrics = metrics
         self.reqs: list[Request] = []

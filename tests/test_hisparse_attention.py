@@ -82,3 +82,21 @@ def test_hisparse_greedy_is_lossless_and_counts_fetches(path, topk, ps):
     misses = round(m["hisparse_fetches"] * (1 - m["hisparse_hit_rate"]))
     assert m["hisparse_bytes_moved"] == misses * token_bytes
     assert m["kv_leaked_slots"] == 0
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_prompt_past_the_device_pool_runs_whichever_request_comes_first(tmp_path, order):
+    """The host pool bounds a request, the device pool only its hot buffer: sized from the model up front, the
+    buffers exist for the first admission too (it was bounded by num_slots, so a 20-token prompt failed at
+    num_slots=16 when it came first and ran when it came second)."""
+    prompts = [[5], list(range(10, 30))]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join('{"prompt_ids": %s}\n' % prompts[i] for i in order))
+    over = ["model=random_tiny", "device.dtype=float64", "model.sparse_top_k=4", "model.sparse_local=4",
+            "draft=none", "workload.max_new_tokens=8", "workload.batch_size=1", f"workload.prompts_file={path}"]
+    want = run(compose(*over, "allocator=token"), quiet=True)["requests"]
+    got = run(compose(*over, "allocator=hisparse", "allocator.host_to_device_ratio=4", "allocator.num_slots=16",
+                      "allocator.debug=true"), quiet=True)
+    assert [r.finish_reason for r in got["requests"]] == ["length", "length"]
+    assert [r.output_ids for r in got["requests"]] == [r.output_ids for r in want]
+    assert got["metrics"]["kv_leaked_slots"] == 0

@@ -33,6 +33,14 @@ class HotBufferBook:
     def ready(self) -> bool:
         return self.capacity > 0
 
+    def plan(self, budget: int) -> None:
+        """Size the buffers from the sparse attention's keys per query (top_k + local) before any forward, so
+        the first admission, like every later one, takes logical ids bounded by the host pool rather than the
+        device pool (it was bounded by num_slots: a prompt past it failed when it came first)."""
+        if not self.ready and budget > 0:
+            ps = self.alloc.page_size
+            self.capacity = -(-self.factor * budget // ps) * ps
+
     def ensure(self, rows) -> None:
         """Give each row (that lacks one) its device buffer; the row's mapped device slots are reused."""
         ps = self.alloc.page_size
@@ -49,9 +57,7 @@ class HotBufferBook:
 
     def observe(self, layer: int, batch, selected: Tensor, token_bytes: int, budget: int) -> None:
         """Fetch the keys ``selected`` [B, Q, Lkv] picks (minus this forward's own) through each row's LRU."""
-        if not self.ready:
-            ps = self.alloc.page_size
-            self.capacity = -(-self.factor * budget // ps) * ps
+        self.plan(budget)
         active = np.flatnonzero(self.alloc_len > 0)
         row_of = dict(zip(self.table[torch.from_numpy(active).to(self.table.device), 0].tolist(), active.tolist()))
         own = batch.kv_positions >= batch.positions.min(1).values[:, None]  # [B, Lkv] written by this forward
