@@ -332,6 +332,13 @@ def check_against_model(cfg: DictConfig, pair) -> None:
                           f"draft.topk<={vocab} (4 to 10 is typical)")
 
 
+
+def leaked_slots(allocator) -> int:
+    """Slots not back in any pool's free list. A paired allocator (SWA, HiSparse) counts each pool: its own
+    size and available() are the smaller pool's, which hid a leak in HiSparse's larger logical pool."""
+    pools = [allocator.primary, allocator.peer] if hasattr(allocator, "peer") else [allocator]
+    return int(sum(p.size - p.available() for p in pools))
+
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
         items: Optional[list[dict]] = None, on_step=None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
@@ -402,7 +409,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary = metrics.summary(wall, recompile_count() - compiles_before)
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_pool_slots"] = int(allocator.size)  # what num_slots=null resolved to
-    summary["kv_leaked_slots"] = int(allocator.size - allocator.available())
+    summary["kv_leaked_slots"] = leaked_slots(allocator)
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     sp = cfg.sampling
     summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
