@@ -332,12 +332,12 @@ def check_against_model(cfg: DictConfig, pair) -> None:
                           f"draft.topk<={vocab} (4 to 10 is typical)")
 
 
-
 def leaked_slots(allocator) -> int:
     """Slots not back in any pool's free list. A paired allocator (SWA, HiSparse) counts each pool: its own
     size and available() are the smaller pool's, which hid a leak in HiSparse's larger logical pool."""
     pools = [allocator.primary, allocator.peer] if hasattr(allocator, "peer") else [allocator]
     return int(sum(p.size - p.available() for p in pools))
+
 
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
         items: Optional[list[dict]] = None, on_step=None) -> dict:

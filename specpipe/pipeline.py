@@ -217,7 +217,7 @@ class Pipeline:
         full = self.pages(len(req.prompt_ids) + req.max_new_tokens + self.growth) * ps + scratch
         if self.prep.window is None:
             self.fail(req, f"the KV pool ({alloc.size} slots) cannot hold this request's {tokens} tokens{also}{at}; "
-                           f"raise {getattr(alloc, 'size_setting', 'allocator.num_slots')} to at least {full} for it "
+                           f"raise allocator.num_slots to at least {full} for it "
                            f"to finish")
             return
         # SWA: name each pool that is short for this request alone, with what it needs to finish

@@ -43,11 +43,6 @@ class KVAllocator:
         return self.num_pages * self.page_size
 
     @property
-    def size_setting(self) -> str:
-        """The config setting that raises `size`, for messages."""
-        return "allocator.num_slots"
-
-    @property
     def pool_slots(self) -> int:
         """Slots a KV pool indexed by this allocator must have (the reserved page included)."""
         return (self.num_pages + 1) * self.page_size

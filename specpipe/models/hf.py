@@ -76,25 +76,26 @@ def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None, n
     return v
 
 
-def _positive_number(raw: dict, key: str, file: Path, default: float, name: Optional[str] = None) -> float:
+def _number(raw: dict, key: str, file: Path, default: Optional[float] = None, name: Optional[str] = None,
+            positive: bool = False) -> Optional[float]:
+    """A finite number (positive when asked), or `default` when absent; a string or a list would fail far from
+    its cause."""
     v = raw.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-        raise CheckpointError(f"{file}: field '{name or key}' must be a positive number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not -float("inf") < v < float("inf") \
+            or (positive and v <= 0):
+        raise CheckpointError(f"{file}: field '{name or key}' must be a {'positive ' if positive else ''}number, "
+                              f"got {v!r}")
     return float(v)
+
+
+def _positive_number(raw: dict, key: str, file: Path, default: float, name: Optional[str] = None) -> float:
+    return _number(raw, key, file, default, name, positive=True)
 
 
 ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
                 "mscale", "mscale_all_dim")
-
-
-def _number(raw: dict, key: str, file: Path, name: str) -> float:
-    """A finite number (RoPE scaling settings); a string or a list would fail far from its cause."""
-    v = raw[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or abs(v) == float("inf"):
-        raise CheckpointError(f"{file}: field '{name}' must be a number, got {v!r}")
-    return float(v)
 
 
 def _token_id(raw: dict, key: str, file: Path):
@@ -140,23 +141,21 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
         return theta, None               # requests may not pass (make_requests): it is the default RoPE here
     scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
     for name in ROPE_NUMBERS:
-        if scaling.get(name) is not None:
-            _number(scaling, name, file, f"{key}.{name}")
-    if kind in ("llama3", "yarn") and raw.get("original_max_position_embeddings") is not None:
-        # transformers 5 lets the top-level field win over the dict's (Phi-3 saves the pretraining length there)
-        scaling["original_max_position_embeddings"] = _int_field(raw, "original_max_position_embeddings", file)
-    elif kind in ("llama3", "yarn") and scaling.get("original_max_position_embeddings") is None:
-        scaling["original_max_position_embeddings"] = _int_field(raw, "max_position_embeddings", file)
-    elif kind in ("llama3", "yarn"):
-        _int_field(scaling, "original_max_position_embeddings", file, name=f"{key}.original_max_position_embeddings")
+        _number(scaling, name, file, name=f"{key}.{name}")
+    if kind in ("llama3", "yarn"):  # the pretraining length: transformers 5 lets a top-level field win over the
+        # dict's (Phi-3 saves it there), and falls back to max_position_embeddings
+        orig = "original_max_position_embeddings"
+        scaling[orig] = _int_field(raw, orig, file) if raw.get(orig) is not None else \
+            _int_field(scaling, orig, file, name=f"{key}.{orig}") if scaling.get(orig) is not None else \
+            _int_field(raw, "max_position_embeddings", file)
     return theta, scaling
 
 
 def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[int], Optional[list]]:
     """(sliding_window, layer_types) with Hugging Face's semantics for each family."""
     if family == "mistral":  # HF Mistral applies the window to every layer; MistralConfig's default is 4096
-        window = raw.get("sliding_window", 4096)
-        return (None if window is None else _int_field({"sliding_window": window}, "sliding_window", file)), None
+        none = raw.get("sliding_window", 4096) is None  # an explicit null: no window
+        return (None if none else _int_field(raw, "sliding_window", file, 4096)), None
     if family not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
         return None, None
     first = raw.get("max_window_layers", 28)

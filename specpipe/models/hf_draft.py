@@ -90,7 +90,8 @@ def _aux_layers(raw: dict, file: Path, n: int):
 
     Two conventions name them. sglang / SpecForge / EAGLE put ids in `eagle_config`: id i is layer i's output.
     vLLM and speculators put them at the top level: id j is the residual stream entering layer j, i.e. layer
-    j-1's output (j=0: the embeddings, j=N: the last layer's output). When both are given, `eagle_config` wins, as in sglang."""
+    j-1's output (j=0: the embeddings, j=N: the last layer's output). When both are given, `eagle_config`
+    wins, as in sglang."""
     def ints(aux, lo, hi):
         return isinstance(aux, list) and aux and all(isinstance(i, int) and not isinstance(i, bool)
                                                      and lo <= i <= hi for i in aux)
