@@ -21,7 +21,7 @@ from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
 from specpipe.schema import SAMPLING_RULES
-from specpipe.stages.prepare_decode import check_window_pool, target_kv_layout
+from specpipe.stages.prepare_decode import check_sparse_model, check_window_pool, target_kv_layout
 from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.stop_strings import StopStrings
@@ -319,6 +319,8 @@ def check_against_model(cfg: DictConfig, pair) -> None:
                           f"the model's context of {ctx} tokens (max_position_embeddings); use at most {ctx - 1}")
     if cfg.allocator.get("_target_", "").endswith("SWAAllocator"):
         check_window_pool(pair, cfg.allocator.window)
+    if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator"):
+        check_sparse_model(pair)
     d = cfg.draft
     if d.method == "eagle" and pair.draft is None:
         raise ConfigError(f"draft=eagle needs an EAGLE head, but model {pair.name!r} has none; give "

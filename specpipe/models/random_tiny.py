@@ -56,7 +56,7 @@ def build_random_tiny(vocab_size: int = 258, hidden_size: int = 64, num_layers: 
     """
     check_shape(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                 num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, max_position=max_position,
-                sliding_window=sliding_window)
+                sliding_window=sliding_window, sparse_top_k=sparse_top_k, sparse_local=sparse_local)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                       intermediate_size=intermediate_size, max_position_embeddings=max_position,

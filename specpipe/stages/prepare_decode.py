@@ -289,18 +289,31 @@ def check_window_pool(pair, window: int) -> None:
                           f"use allocator.window>={max(windows)}")
 
 
+def check_sparse_model(pair) -> None:
+    """ConfigError unless the target's attention is top-k sparse: HiSparse keeps on the device only what
+    the sparse attention reads, so over a dense model it would be a paged pool with a second, unused one."""
+    if pair.target.config.sparse_top_k is None:
+        name = getattr(pair, "name", "") or "this model"
+        raise ConfigError(f"allocator=hisparse keeps the full KV in a host pool and only the tokens that top-k "
+                          f"sparse attention reads on the device, but {name!r} has dense attention (its config "
+                          "sets no sparse_top_k), so every token would stay on the device; use allocator=paged or "
+                          "allocator=token, or a top-k sparse model, e.g. model=random_tiny model.sparse_top_k=64")
+
+
 def target_kv_layout(pair, allocator) -> dict:
     """``setup_kv`` keyword arguments for the target under ``allocator``; ConfigError when they don't fit.
 
     Called where the model pair and the allocator meet (``app.run``, right after ``build_allocator``).
     SWA: the target's sliding layers get a window pool of ``swa_pool_slots``; a model without sliding
     layers, or an allocator window smaller than the model's (the pool would free keys the model still
-    reads), is an error. HiSparse: the target reports its sparse selections to the hot buffers.
+    reads), is an error. HiSparse: the target reports its sparse selections to the hot buffers (a dense
+    target is an error).
     """
     caps = getattr(allocator, "capabilities", frozenset())
     if "window_evict" in caps:
         check_window_pool(pair, allocator.window)
         return {"window_slots": allocator.swa_pool_slots}
     if "hisparse" in caps:
+        check_sparse_model(pair)
         return {"track_selection": True}
     return {}
