@@ -374,6 +374,7 @@ class Pipeline:
             hiddens.append(hidden)
             prep.commit(rows, end)
             prep.after_commit(rows)
+        prep.note_chunked(B, len(finals), chunk)
         final, hidden = torch.cat(finals, 1)[:, :T], torch.cat(hiddens, 1)[:, :T]
         lens_t = torch.from_numpy(lens).to(dev)
         batch = prep.decorate(extend_batch(prep.table, rows_t, torch.zeros_like(lens_t), lens_t, T, bucket(T)))

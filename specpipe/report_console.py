@@ -61,5 +61,10 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
                   + (" (the rest are in completions.jsonl)" if more > 0 and out_dir else "") + ":", markup=False)
         for e in shown:
             con.print(f"  request {e['index']}: {e['error']}", markup=False, highlight=False)
+    if m.get("swa_prefill_chunk_forwards"):
+        con.print(f"note: {m['swa_chunked_prefills']} request prefill(s) ran in chunks ({m['swa_prefill_chunk_forwards']} "
+                  f"target forwards, as few as {m['swa_prefill_chunk_min_tokens']} tokens each): the window pool "
+                  "could not hold them whole; a larger allocator.swa_num_slots prefills in fewer forwards",
+                  markup=False, highlight=False)
     if out_dir:
         con.print(f"outputs: {out_dir}/metrics.json, {out_dir}/completions.jsonl")

@@ -31,3 +31,14 @@ def test_stage_times_without_model_timing_have_no_model_column(capsys):
     print_summary({**m, "stage_model_ms": None}, None)
     out = capsys.readouterr().out
     assert "ms per round" in out and "(model)" not in out and "verify 1.00" in out
+
+
+def test_a_chunked_swa_prefill_is_noted_under_the_table(capsys):
+    m = metrics({"method": "none", "topk": 1, "num_steps": 1, "num_draft_tokens": 2})
+    print_summary({**m, "swa_chunked_prefills": 0, "swa_prefill_chunk_forwards": 0}, None)
+    assert "ran in chunks" not in capsys.readouterr().out
+    print_summary({**m, "swa_chunked_prefills": 2, "swa_prefill_chunk_forwards": 600,
+                   "swa_prefill_chunk_min_tokens": 3}, None)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "2 request prefill(s) ran in chunks (600 target forwards, as few as 3 tokens each)" in out
+    assert "allocator.swa_num_slots" in out

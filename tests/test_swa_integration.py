@@ -127,6 +127,13 @@ def test_a_prompt_longer_than_the_window_pool_is_prefilled_in_chunks(tmp_path, d
     assert got == want and m["num_errors"] == 0
     assert m["swa_window_peak_slots"] <= slots < 200
     assert m["kv_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
+    # reported: the longest prompt ran in chunks, each chunk at most what the pool holds, in several forwards
+    assert m["swa_chunked_prefills"] >= 1 and m["swa_prefill_chunk_forwards"] > 200 // slots
+    assert 0 < m["swa_prefill_chunk_min_tokens"] <= slots
+    if draft == "none":  # a pool that holds the prompts whole prefills in one forward and reports nothing
+        m = decode(prompts, "alternate", "draft=none", "allocator=swa", f"allocator.window={WINDOW}",
+                   "allocator.swa_num_slots=1024")[1]
+        assert m["swa_chunked_prefills"] == 0 and m["swa_prefill_chunk_min_tokens"] is None
 
 
 @pytest.mark.parametrize("draft", ["none", "eagle"])

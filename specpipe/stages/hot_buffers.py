@@ -8,8 +8,9 @@ the keys that forward wrote itself are produced on the device and skipped, the r
 resident ids are hits, the others are misses that move ``token_bytes`` host -> device. On CPU host
 and device are the same memory, so the move is accounting only; the counts are real.
 
-Buffers appear once the first sparse forward tells the budget (top_k + local keys per query):
-from then on every row gets its buffer before it allocates, and new tokens get logical ids only.
+The pipeline sizes the buffers from the model's budget (top_k + local keys per query) before the
+first forward (``plan``): every row gets its buffer before it allocates, and new tokens get logical
+ids only.
 """
 from __future__ import annotations
 

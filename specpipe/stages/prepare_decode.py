@@ -55,6 +55,7 @@ class PrepareDecode(Stage):
         self.evicted = np.zeros(max_requests, dtype=np.int64)  # window-pool prefix already freed per row
         self.evicted_tokens = 0
         self.window_peak = 0  # most window-pool slots live at once
+        self.chunked = [0, 0, 0]  # prefills run in chunks: requests, target forwards, smallest chunk (tokens)
         self.hot = HotBufferBook(allocator, self.table, self.alloc_len) if "hisparse" in caps else None
         self.free_by_page = "free_page_starts" in caps  # commit names each freed page once (no de-duplication)
 
@@ -114,6 +115,13 @@ class PrepareDecode(Stage):
         evicted = np.maximum(prev - self.window - ps, 0) // ps
         held = -(-end // ps) - evicted  # a row done with its prompt (prev == end) holds what after_commit left
         return held.max(0), int(held.sum(1).max())
+
+    def note_chunked(self, requests: int, forwards: int, chunk: int) -> None:
+        """A prefill ran in chunks (the window pool could not hold it whole): counted for metrics.json and the
+        summary's note, since a small chunk means many forwards (a tight swa_num_slots costs prefill time)."""
+        self.chunked[0] += requests
+        self.chunked[1] += forwards
+        self.chunked[2] = min(self.chunked[2] or chunk, chunk)
 
     def note_peak(self) -> None:
         """After a take from the pool (a reservation, or a draft round's scratch, which holds slots too)."""
@@ -241,6 +249,8 @@ class PrepareDecode(Stage):
         """Allocator-specific counters for metrics.json (merged into the run summary)."""
         out = {}
         if self.window is not None:
+            out.update(swa_chunked_prefills=self.chunked[0], swa_prefill_chunk_forwards=self.chunked[1],
+                       swa_prefill_chunk_min_tokens=self.chunked[2] or None)
             out.update(swa_evicted_tokens=self.evicted_tokens, swa_window_peak_slots=self.window_peak,
                        kv_window_leaked_slots=self.alloc.swa.size - self.alloc.swa_available(),
                        kv_full_leaked_slots=self.alloc.full.size - self.alloc.full_available())
