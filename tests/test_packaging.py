@@ -33,3 +33,12 @@ def test_a_wheel_installed_elsewhere_composes_and_runs(tmp_path):
     p = run("workload.num_prompts=1", "workload.max_new_tokens=4", "device.num_threads=1", "draft=ngram",
             f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 0 and (tmp_path / "run" / "metrics.json").exists(), p.stderr
+    # the `specpipe` console script (pip writes it from entry_points.txt) runs main() from the package, where
+    # Hydra finds the configs as the module specpipe.conf, not as a folder beside a __main__ file
+    entry = next(site.glob("specpipe-*.dist-info")) / "entry_points.txt"
+    assert "specpipe = specpipe.__main__:main" in entry.read_text()
+    script = "import sys; from specpipe.__main__ import main; sys.argv[0] = 'specpipe'; sys.exit(main())"
+    p = subprocess.run([sys.executable, "-c", script, "workload.num_prompts=1", "workload.max_new_tokens=4",
+                        "device.num_threads=1", "draft=none", f"hydra.run.dir={tmp_path / 'script'}"], cwd=where,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and (tmp_path / "script" / "metrics.json").exists(), p.stderr
