@@ -291,12 +291,13 @@ class SpecPipe:
                  stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None,
                  on_event: Optional[Callable[[StreamEvent], None]] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, top_k: Optional[int] = None,
-                 repetition_penalty: Optional[float] = None, logprobs: bool = False) -> list[Completion]:
+                 repetition_penalty: Optional[float] = None, min_p: Optional[float] = None,
+                 logprobs: bool = False) -> list[Completion]:
         """Completions in prompt order. `stop`: stop strings for every prompt (taken as given: no escapes);
         `out_dir` also writes metrics.json and completions.jsonl there; `on_event` gets a StreamEvent
         whenever a request commits tokens and when it finishes (each request's last event has its
         finish_reason, prompts that fail before decoding included). `temperature`, `top_p`, `top_k`,
-        `repetition_penalty`: this
+        `repetition_penalty`, `min_p`: this
         call's sampling (sampling.* for all its prompts; a prompt's "seed" still picks its coins). `logprobs`: each
         completion also holds its tokens' log-probabilities under the raw target logits."""
         from omegaconf import OmegaConf
@@ -330,7 +331,7 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: logprobs={logprobs!r} must be True or False")
             cfg = OmegaConf.merge(cfg, {"workload": {"logprobs": logprobs}})
         sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                                      ("repetition_penalty", repetition_penalty))
+                                      ("repetition_penalty", repetition_penalty), ("min_p", min_p))
                     if v is not None}
         for key, v in sampling.items():  # as strictly as a prompt's own values: "0.7" is not a number
             why = sampling_problem(key, v)
@@ -370,7 +371,7 @@ class SpecPipe:
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
                stop: Optional[str | Sequence[str]] = None, **sampling) -> Stream:
         """`generate` as a `Stream` of StreamEvents, in the order tokens are committed (`sampling`: its
-        temperature / top_p / top_k / repetition_penalty). Decoding runs in a worker thread; closing the
+        temperature / top_p / top_k / repetition_penalty / min_p). Decoding runs in a worker thread; closing the
         stream (`close()`, a `with` block, or the end of a `for` loop over an unnamed stream) stops it at
         the next step."""
         return Stream(lambda sink: self.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, on_event=sink,

@@ -101,10 +101,10 @@ def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
 
 def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int,
                   stop: Sequence[str] = (), ignore_eos: bool = False,
-                  sampling: tuple = (0.0, 1.0, 0, 1.0)) -> list[Request]:
+                  sampling: tuple = (0.0, 1.0, 0, 1.0, 0.0)) -> list[Request]:
     """One Request per prompt; a bad prompt becomes that request's error, never the run's. `stop`: stop
     strings of every request (a prompt's own "stop" adds to them); `ignore_eos` drops them all.
-    `sampling`: the run's (temperature, top_p, top_k, repetition_penalty), completed by a prompt's own where it
+    `sampling`: the run's (temperature, top_p, top_k, repetition_penalty, min_p), completed by a prompt's own where it
     sets some."""
     reqs = []
     for i, it in enumerate(items):
@@ -208,7 +208,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     sp = cfg.sampling
     sampled = any_sampled(cfg, reqs)
     sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device, greedy=not sampled,
-                             repetition_penalty=sp.repetition_penalty, max_context=max_context,
+                             repetition_penalty=sp.repetition_penalty, max_context=max_context, min_p=sp.min_p,
                              penalized=any(r.sampling is not None and r.sampling[3] != 1.0 for r in reqs))
     if d.method == "none":
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
@@ -415,11 +415,16 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     sp = cfg.sampling
     summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,
-                           "repetition_penalty": sp.repetition_penalty, "source": sampling_source,
+                           "repetition_penalty": sp.repetition_penalty, "min_p": sp.min_p, "source": sampling_source,
                            "per_request": sum(r.sampling is not None for r in reqs)}
     unapplied = dict(pair.target.config.extra.get("unapplied_generation_settings") or {})
     if cfg.sampling.get("from_model"):
         unapplied.pop("repetition_penalty", None)  # taken with the sampling settings
+    if not any_sampled(cfg, reqs):
+        from specpipe.models.hf import UNAPPLIED_SAMPLING
+
+        for k in UNAPPLIED_SAMPLING:  # HF applies them only when sampling
+            unapplied.pop(k, None)
     if unapplied:
         summary["unapplied_generation_settings"] = unapplied  # generation_config.json values HF applies, we don't
     summary["num_requests"] = len(reqs)

@@ -83,7 +83,7 @@ class Request:
     retractions: int = 0  # times it was evicted under KV pressure and re-queued
     stop_strings: Optional[Any] = None  # a StopStrings checker when the request has stop strings
     stop_ids: frozenset = frozenset()  # its own "stop_token_ids", which end it as the model's EOS ids do
-    sampling: Optional[tuple] = None  # its own (temperature, top_p, top_k, repetition_penalty); None: the run's
+    sampling: Optional[tuple] = None  # its own (temperature, top_p, top_k, repetition_penalty, min_p); None: the run's
     logprobs: Optional[list] = None  # with workload.logprobs: each output token's raw target log-probability
 
     @property

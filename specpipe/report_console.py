@@ -11,6 +11,8 @@ def sampling_text(sp: Optional[dict]) -> str:
 
     text = "greedy" if sp["temperature"] < GREEDY_TEMPERATURE else \
         f"temperature {sp['temperature']:g}, top_p {sp['top_p']:g}, top_k {sp['top_k']}"
+    if sp.get("min_p", 0.0) > 0 and not text.startswith("greedy"):
+        text += f", min_p {sp['min_p']:g}"
     if sp.get("repetition_penalty", 1.0) != 1.0:
         text += f", repetition_penalty {sp['repetition_penalty']:g}"
     text += f" ({sp['source']})" if not sp["source"].startswith("config") else ""

@@ -1,6 +1,6 @@
 """Per-request sampling state on the device, and target-only sampling of single tokens.
 
-Every request carries temperature/top_p/top_k and its own seed; coins are counter-based
+Every request carries temperature/top_p/top_k/min_p and its own seed; coins are counter-based
 (`verify_sampling.uniform_coins`), so a request's output depends only on its seed, never on
 which other requests share the batch. Temperature 0 is greedy.
 """
@@ -25,7 +25,8 @@ def request_seed(base_seed: int, index: int, explicit=None) -> int:
 
 
 class SamplingState:
-    """temperature/top_p/top_k/repetition_penalty/seed per running request [B], joined and filtered with the batch.
+    """temperature/top_p/top_k/repetition_penalty/min_p/seed per running request [B], joined and filtered with the
+    batch.
 
     With a repetition penalty (HF's: a logit of a token already in the prompt or the output is divided by
     the penalty when positive, multiplied when negative, before temperature and top-k/top-p; greedy too),
@@ -34,17 +35,19 @@ class SamplingState:
     vocabulary; `penalize_tree` adds the tokens on each tree node's own path."""
 
     def __init__(self, temperature: float, top_p: float, top_k: int, device, greedy: Optional[bool] = None,
-                 repetition_penalty: float = 1.0, max_context: Optional[int] = None, penalized: bool = False):
+                 repetition_penalty: float = 1.0, max_context: Optional[int] = None, penalized: bool = False,
+                 min_p: float = 0.0):
         """Run-level settings; `greedy` (default: temperature < GREEDY_TEMPERATURE) is False when any request samples, even if
         the run's default is greedy (greedy rows then go through the sampling path as one-hots). `penalized`:
         some request has a repetition penalty other than 1; `max_context` (prompt plus output, most tokens a
         request holds) then sizes `context`."""
-        self.params = (float(temperature), float(top_p), int(top_k), float(repetition_penalty))
+        self.params = (float(temperature), float(top_p), int(top_k), float(repetition_penalty), float(min_p))
         self.greedy = temperature < GREEDY_TEMPERATURE if greedy is None else greedy
         self.dev = device
         self.temperature = torch.zeros(0, device=device)
         self.top_p = torch.zeros(0, device=device)
         self.top_k = torch.zeros(0, dtype=torch.int64, device=device)
+        self.min_p = torch.zeros(0, device=device)
         self.seed = torch.zeros(0, dtype=torch.int64, device=device)
         self.penalized = penalized or repetition_penalty != 1.0
         if self.penalized and max_context is None:
@@ -55,15 +58,16 @@ class SamplingState:
         self.context_len = torch.zeros(0, dtype=torch.int64, device=device)
 
     def join(self, seeds: list[int], params: Optional[list] = None, contexts: Optional[list] = None) -> None:
-        """New requests: their seeds, their own (temperature, top_p, top_k[, repetition_penalty]) where given
-        (None: the run's), and with a penalty their context ids (prompt, and any output before a retraction)."""
+        """New requests: their seeds, their own (temperature, top_p, top_k[, repetition_penalty[, min_p]]) where
+        given (None: the run's), and with a penalty their context ids (prompt, and any output before a retraction)."""
         rows = [tuple(q) + self.params[len(q):] if q is not None else self.params
                 for q in (params or [None] * len(seeds))]
-        t, p, k, r = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
+        t, p, k, r, m = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
         t = [0.0 if v < GREEDY_TEMPERATURE else v for v in t]  # decided here: float32 rounds 9.9999999e-6 to 1e-5
         self.temperature = torch.cat([self.temperature, torch.tensor(t, dtype=torch.float32, device=self.dev)])
         self.top_p = torch.cat([self.top_p, torch.tensor(p, dtype=torch.float32, device=self.dev)])
         self.top_k = torch.cat([self.top_k, torch.tensor(k, dtype=torch.int64, device=self.dev)])
+        self.min_p = torch.cat([self.min_p, torch.tensor(m, dtype=torch.float32, device=self.dev)])
         self.seed = torch.cat([self.seed, torch.tensor(seeds, dtype=torch.int64, device=self.dev)])
         if self.penalized:
             C = self.context.shape[1]
@@ -84,7 +88,7 @@ class SamplingState:
 
     def keep(self, keep_t: Tensor) -> None:
         self.temperature, self.top_p = self.temperature[keep_t], self.top_p[keep_t]
-        self.top_k, self.seed = self.top_k[keep_t], self.seed[keep_t]
+        self.top_k, self.seed, self.min_p = self.top_k[keep_t], self.seed[keep_t], self.min_p[keep_t]
         if self.penalized:
             self.penalty, self.context = self.penalty[keep_t], self.context[keep_t]
             self.context_len = self.context_len[keep_t]
@@ -141,6 +145,7 @@ class SamplingState:
             logits = self._penalized_at(logits, sel(self.context[:, :self.width]), sel(self.penalty))
         if self.greedy:
             return logits.argmax(-1)
-        probs = process_logits(logits[:, None], sel(self.temperature), sel(self.top_p), sel(self.top_k))[:, 0]
+        probs = process_logits(logits[:, None], sel(self.temperature), sel(self.top_p), sel(self.top_k),
+                               sel(self.min_p))[:, 0]
         u = uniform_coins(sel(self.seed), position, 1, STREAM_PLAIN)[:, 0]
         return sample_tokens(probs, u)

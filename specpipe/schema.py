@@ -214,19 +214,21 @@ class SamplingConf:
     top_p: float = 1.0  # nucleus mass kept (1: off)
     top_k: int = 0  # most likely tokens kept (0: off)
     repetition_penalty: float = 1.0  # HF's: logits of tokens already in the prompt or output / by it (1: off)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely (0: off)
     seed: Optional[int] = None  # run-level sampling seed (None: the top-level seed); a prompt's "seed" wins
-    # take temperature / top_p / top_k from the model folder's generation_config.json where it sets them (as vLLM
+    # take temperature / top_p / top_k / min_p / repetition_penalty from the model folder's generation_config.json where it sets them (as vLLM
     # does by default); do_sample=false there means greedy
     from_model: bool = False
 
 
-# what a temperature / top_p / top_k / repetition_penalty may be: (integer only, valid, its words); one rule for sampling.*, a prompt's
+# what a temperature / top_p / top_k / repetition_penalty / min_p may be: (integer only, valid, its words); one rule for sampling.*, a prompt's
 # own values and a model's generation_config.json
 SAMPLING_RULES = {
     "temperature": (False, lambda v: 0 <= v < float("inf"), ">= 0 and finite (0, or below 1e-5, is greedy)"),
     "top_p": (False, lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (True, lambda v: 0 <= v < 2 ** 31, ">= 0 and below 2**31"),
     "repetition_penalty": (False, lambda v: 0 < v < float("inf"), "> 0 and finite (1 is off)"),
+    "min_p": (False, lambda v: 0 <= v <= 1, "in [0, 1] (0 is off)"),
 }
 
 

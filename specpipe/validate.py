@@ -243,7 +243,7 @@ def validate(cfg: DictConfig) -> None:
                       f"(num_steps + 1 = {cfg.draft.num_steps + 1} tokens); use allocator.window>="
                       f"{cfg.draft.num_steps + 1}")
     for key, hint in (("temperature", ""), ("top_p", " (1 keeps every token)"), ("top_k", " (0 keeps every token)"),
-                      ("repetition_penalty", "; 1.05 to 1.3 is typical")):
+                      ("repetition_penalty", "; 1.05 to 1.3 is typical"), ("min_p", "; 0.05 to 0.1 is typical")):
         v = cfg.sampling[key]
         if v != v:
             errors.append(f"sampling.{key}=nan is not a number (valid: {SAMPLING_RULES[key][2]}{hint})")

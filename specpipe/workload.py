@@ -51,6 +51,7 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, what to do instead)
     "presence_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "frequency_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "logit_bias": (({}, None), "logit biases are not applied"),
+    "typical_p": ((1, 1.0, None), "typical sampling is not applied (\"min_p\" and \"top_p\" are)"),
     "n": ((1, None), "one completion per line: repeat the line with different \"seed\" values"),
     "best_of": ((1, None), "one completion per line: repeat the line with different \"seed\" values"),
     "min_tokens": ((0, None), "EOS is never suppressed; workload.ignore_eos=true runs every request to its limit"),
@@ -92,7 +93,8 @@ def parse_prompt_line(obj, where) -> dict:
 
 def _parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
-    "max_new_tokens" (or "max_tokens"), "stop", "temperature", "top_p", "top_k"; or its error.
+    "max_new_tokens" (or "max_tokens"), "stop", "temperature", "top_p", "top_k", "repetition_penalty", "min_p"; or
+    its error.
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3"); a good
     item keeps that name as "where", for the errors found once it is tokenized."""

@@ -53,6 +53,7 @@ CASES = [
     (["sampling.temperature=-1"], "sampling.temperature=-1.0 must be >= 0", True),
     (["sampling.top_p=0"], "sampling.top_p=0.0 must be in (0, 1]", True),
     (["sampling.top_k=-3"], "sampling.top_k=-3 must be >= 0", True),
+    (["sampling.min_p=1.5"], "sampling.min_p=1.5 must be in [0, 1] (0 is off); 0.05 to 0.1 is typical", True),
     (["sampling.temperature=inf"], "sampling.temperature=inf must be >= 0 and finite", True),
     (["sampling.seed=-3"], "sampling.seed=-3 must be between 0 and 2**63-1", True),
     (["workload.stop="], "workload.stop='' is empty", True),

@@ -49,7 +49,9 @@ def test_bad_per_prompt_sampling_fails_the_request(pair, tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in [{"prompt": "a", "temperature": -1},
                                                              {"prompt": "b", "top_p": 0}, {"prompt": "c", "top_k": 2.5},
-                                                             {"prompt": "d", "temperature": "hot"}, {"prompt": "e"}]))
+                                                             {"prompt": "d", "temperature": "hot"}, {"prompt": "e"},
+                                                             {"prompt": "f", "min_p": 1.5},
+                                                             {"prompt": "g", "typical_p": 0.9}]))
     cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
                   "workload.max_new_tokens=4")
     reqs = run(cfg, quiet=True, pair=pair)["requests"]
@@ -57,6 +59,36 @@ def test_bad_per_prompt_sampling_fails_the_request(pair, tmp_path):
     assert '"top_p" must be a number in (0, 1], got 0' in reqs[1].error
     assert '"top_k" must be an integer >= 0 and below 2**31, got 2.5' in reqs[2].error
     assert "got 'hot'" in reqs[3].error and reqs[4].error is None
+    assert '"min_p" must be a number in [0, 1] (0 is off), got 1.5' in reqs[5].error
+    assert '"typical_p"' in reqs[6].error and "typical sampling is not applied" in reqs[6].error
+
+
+@pytest.mark.parametrize("drafter", [["draft.topk=2", "draft.num_steps=3"], ["draft=none"],
+                                     ["draft=standalone", "draft.topk=1", "draft.num_steps=3"]])
+def test_min_p_bounds_what_is_sampled(pair, tmp_path, drafter):
+    """min_p (run-wide or a prompt's own) keeps only tokens at least min_p times as likely as the most likely:
+    every first token drawn lies in that set (without min_p, many do not), and drafting changes no token (sampled
+    standalone chains draw with their own coins: the same law, other tokens)."""
+    import torch
+
+    from specpipe.stages.verify_sampling import process_logits
+
+    prompt = random_prompts(3, [6])[0]
+    with torch.no_grad():
+        logits = pair.target.logits(pair.target(torch.tensor([pair.tokenizer.encode(prompt)]))[:, -1:])
+    one = torch.ones(1, dtype=torch.float64)
+    allowed = set(process_logits(logits, one, one, torch.zeros(1, dtype=torch.long), one * 0.9)[0, 0]
+                  .nonzero()[:, 0].tolist())
+    lines = [{"prompt": prompt, "seed": i} for i in range(60)]
+    free = decode(pair, tmp_path, "free", lines, *drafter, "sampling.temperature=1.0")
+    assert sum(o[0] not in allowed for o in free) > 10  # the test can see min_p at all
+    got = decode(pair, tmp_path, "minp", lines, *drafter, "sampling.temperature=1.0", "sampling.min_p=0.9")
+    assert all(o[0] in allowed for o in got)
+    own = decode(pair, tmp_path, "own", [{**x, "min_p": 0.9} for x in lines], *drafter, "sampling.temperature=1.0")
+    assert own == got
+    if "draft=standalone" not in drafter:
+        assert got == decode(pair, tmp_path, "plain", lines, "draft=none", "sampling.temperature=1.0",
+                             "sampling.min_p=0.9")
 
 
 def test_a_top_p_below_float32_resolution_keeps_the_most_likely_token():

@@ -429,12 +429,12 @@ def eos_ids(folder: Path, cfg: LlamaConfig) -> list[int]:
 
 def generation_sampling(folder: Path) -> dict:
     """The sampling settings a folder's generation_config.json sets (temperature, top_p, top_k,
-    repetition_penalty; do_sample=false is greedy), as vLLM applies them: only the keys present. {} without
+    repetition_penalty, min_p; do_sample=false is greedy), as vLLM applies them: only the keys present. {} without
     the file."""
     raw = generation_config(folder)
     greedy = raw.get("do_sample") is False
     out = {"temperature": 0.0} if greedy else {}
-    for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+    for key in ("temperature", "top_p", "top_k", "repetition_penalty", "min_p"):
         v = raw.get(key)
         if v is None or (greedy and key != "repetition_penalty"):  # HF penalizes repeats when greedy too
             continue
@@ -452,12 +452,15 @@ UNAPPLIED_GENERATION = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "e
                         "min_new_tokens": None, "min_length": 0, "bad_words_ids": None, "suppress_tokens": None,
                         "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
                         "sequence_bias": None, "num_beams": 1, "penalty_alpha": None}
+# ... and those HF applies only when sampling (the run reports them only when it samples)
+UNAPPLIED_SAMPLING = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def unapplied_generation_settings(folder: Path) -> dict:
     """The settings of a folder's generation_config.json that change HF's outputs and specpipe does not apply."""
     raw = generation_config(folder)
-    return {k: raw[k] for k, neutral in UNAPPLIED_GENERATION.items() if raw.get(k) not in (None, neutral, [], {})}
+    return {k: raw[k] for k, neutral in {**UNAPPLIED_GENERATION, **UNAPPLIED_SAMPLING}.items()
+            if raw.get(k) not in (None, neutral, [], {})}
 
 
 def tokenizer_config(folder: Path, raw: dict) -> dict:
@@ -533,9 +536,12 @@ def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: st
         import sys
 
         how = " unless sampling.from_model=true" if list(unapplied) == ["repetition_penalty"] else ""
+        when = [k for k in unapplied if k in UNAPPLIED_SAMPLING]
+        hf = "HF generate does, greedy included" if not when else "HF generate does when sampling" \
+            if len(when) == len(unapplied) else f"HF generate does, greedy included ({', '.join(when)}: when sampling)"
         print(f"specpipe: note: {folder / 'generation_config.json'} sets "
-              f"{', '.join(f'{k}={v!r}' for k, v in unapplied.items())}, which specpipe does not apply{how} (HF "
-              f"generate does, greedy included), so outputs can differ from HF's", file=sys.stderr)
+              f"{', '.join(f'{k}={v!r}' for k, v in unapplied.items())}, which specpipe does not apply{how} "
+              f"({hf}), so outputs can differ from HF's", file=sys.stderr)
     draft = load_draft(draft_path, target, dtype, device) if draft_path is not None else None
     return ModelPair(target, draft, tokenizer, name=name or folder.name)
 

@@ -26,6 +26,8 @@ increasing between rounds, so coins are never reused) with its own acceptance, b
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -66,14 +68,17 @@ def uniform_coins(seed: Tensor, counter: Tensor, cols: int, stream: int) -> Tens
 GREEDY_TEMPERATURE = 1e-5  # temperatures below are greedy (vLLM's rule): logits / a subnormal overflow to inf
 
 
-def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
-    """logits [B,N,V], per-request temperature/top_p [B] float, top_k [B] int -> probs [B,N,V] float32.
+def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                   min_p: Optional[Tensor] = None) -> Tensor:
+    """logits [B,N,V], per-request temperature/top_p/min_p [B] float, top_k [B] int -> probs [B,N,V] float32.
 
     softmax(logits / T), keep the top_k most likely and every token tied with the k-th (as HF's TopKLogitsWarper
     and vLLM; top_k <= 0: all), renormalise, keep the smallest prefix whose mass reaches top_p (top_p >= 1: all,
     though the float32 cumulative sum overshoots 1; never less than the most likely token, even when a tiny
-    top_p rounds to 0 in float32), renormalise. T < GREEDY_TEMPERATURE is greedy: a one-hot at the argmax (so
-    greedy and sampled requests share one batch).
+    top_p rounds to 0 in float32), then drop tokens less likely than min_p times the most likely (HF's
+    MinPLogitsWarper, after top-k and top-p as in HF; min_p <= 0: none), renormalise. T < GREEDY_TEMPERATURE is
+    greedy: a one-hot at the argmax of the logits as given (float64 logits: their own argmax, as plain greedy
+    decoding takes it), so greedy and sampled requests share one batch.
     """
     B, N, V = logits.shape
     x = logits.float()
@@ -90,10 +95,12 @@ def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Te
     before = sp.cumsum(-1) - sp  # mass of strictly more likely tokens
     nucleus = (before < top_p.float()[:, None, None]) | (top_p >= 1)[:, None, None]
     keep = keep & (nucleus | (rank == 0))  # the most likely always stays
+    if min_p is not None:  # relative to the most likely (sp[..., 0]): the same before or after renormalising
+        keep = keep & (sp >= min_p.float()[:, None, None] * sp[..., :1])
     sp = torch.where(keep, sp, torch.zeros_like(sp))
     out = torch.zeros_like(probs).scatter(-1, si, sp)
     out = out / out.sum(-1, keepdim=True)
-    onehot = torch.zeros_like(out).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # F.one_hot reads the ids back
+    onehot = torch.zeros_like(out).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # F.one_hot reads ids back
     return torch.where(greedy[:, None, None], onehot, out)
 
 
@@ -211,8 +218,8 @@ class VerifySampling(Stage):
         self.num_steps = num_steps
 
     @branch
-    def probs(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
-        return process_logits(logits, temperature, top_p, top_k)
+    def probs(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, min_p: Tensor) -> Tensor:
+        return process_logits(logits, temperature, top_p, top_k, min_p)
 
     @branch
     def sample(self, probs: Tensor, tokens: Tensor, parent: Tensor, seed: Tensor, counter: Tensor):

@@ -149,22 +149,22 @@ def test_sampled_chain_returns_draft_probs_for_rejection_sampling(target):
     S, B = 3, len(PROMPT_LENS)
     h = Harness(target, 1, S, S + 1, seed=5)
     temp, top_p, top_k_ = torch.full((B,), 0.9), torch.full((B,), 0.95), torch.zeros(B, dtype=torch.long)
-    seed = torch.arange(B) + 100
-    blocks, dp = h.draft((temp, top_p, top_k_, seed))
+    seed, min_p = torch.arange(B) + 100, torch.full((B,), 0.05)
+    blocks, dp = h.draft((temp, top_p, top_k_, seed, min_p))
     tree = build(blocks, h, 1)
     assert dp.shape == (B, S + 1, target.config.vocab_size)
     for b, c in enumerate(h.ctx):  # row j of draft_probs: the processed law after root..node j
         path = c + tree.tokens[b, 1:].tolist()
         for j in range(S):
             logits = next_logits(target, path[:len(c) + j])
-            want = process_logits(logits[None, None], temp[:1], top_p[:1], top_k_[:1])[0, 0]
+            want = process_logits(logits[None, None], temp[:1], top_p[:1], top_k_[:1], min_p[:1])[0, 0]
             torch.testing.assert_close(dp[b, j], want, rtol=1e-4, atol=1e-6)
             assert dp[b, j, path[len(c) + j]] > 0  # the sampled token has mass
-    again, dp2 = h.draft((temp, top_p, top_k_, seed))  # deterministic given the seed
+    again, dp2 = h.draft((temp, top_p, top_k_, seed, min_p))  # deterministic given the seed
     assert torch.equal(build(again, h, 1).tokens, tree.tokens) and torch.equal(dp, dp2)
     # the target drafting for itself: rejection sampling accepts the whole chain
     acc, count, commit = VerifySampling(S).sample_rejection(dp, dp, tree.tokens, tree.parent, seed,
                                                             torch.from_numpy(h.prep.seq_len[h.rows].copy()))
     assert (count == S).all()
-    greedy_rows = h.draft((torch.zeros(B), top_p, top_k_, seed))[0]  # temperature 0: the greedy chain
+    greedy_rows = h.draft((torch.zeros(B), top_p, top_k_, seed, min_p))[0]  # temperature 0: the greedy chain
     assert build(greedy_rows, h, 1).tokens[:, 1:].tolist() == [greedy(target, c, S) for c in h.ctx]

@@ -75,11 +75,13 @@ def test_sampling_from_the_models_generation_config(make_hf_model, edit_config, 
             "workload.max_new_tokens=4", "sampling.top_p=0.9"]
     m = run(compose(*base, "sampling.from_model=true"), quiet=True)["metrics"]
     assert m["sampling"] == {"temperature": 0.6, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.0,
-                             "source": str(gen), "per_request": 0}
+                             "min_p": 0.0, "source": str(gen), "per_request": 0}
     # `config` is the job's own (resume=true compares it with the job's), from_model=true included
     assert m["config"]["sampling"]["temperature"] == 0.0 and m["config"]["sampling"]["from_model"] is True
     assert run(compose(*base), quiet=True)["metrics"]["sampling"]["temperature"] == 0.0  # off by default
 
+    gen.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "min_p": 0.1}))
+    assert generation_sampling(folder) == {"temperature": 0.6, "min_p": 0.1}  # HF's MinPLogitsWarper: applied
     gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
     assert generation_sampling(folder) == {"temperature": 0.0}
     gen.write_text(json.dumps({"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.1}))

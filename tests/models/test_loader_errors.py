@@ -382,3 +382,6 @@ def test_generation_settings_specpipe_does_not_apply_are_named(target_copy, edit
     (target_copy / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.0, "top_k": 20}))
     assert "unapplied_generation_settings" not in load_hf(target_copy).target.config.extra
     assert "note" not in capsys.readouterr().err
+    (target_copy / "generation_config.json").write_text(json.dumps({"typical_p": 0.9, "min_p": 0.1}))
+    assert load_hf(target_copy).target.config.extra["unapplied_generation_settings"] == {"typical_p": 0.9}
+    assert "typical_p=0.9, which specpipe does not apply (HF generate does when sampling)" in capsys.readouterr().err

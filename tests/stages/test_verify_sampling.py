@@ -29,6 +29,40 @@ def test_process_logits_temperature_topk_topp():
     assert out[5].tolist() == [1.0, 0.0, 0.0, 0.0]  # temperature 0: greedy one-hot
 
 
+def test_process_logits_min_p_after_top_k_and_top_p_as_hf():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = p.log()[None, None].expand(4, 1, 4)
+    out = process_logits(logits, rows(1.0, 1.0, 1.0, 0.0), rows(1.0, 1.0, 0.8, 1.0), rows(0, 0, 0, 0),
+                         rows(0.0, 0.5, 0.7, 0.9))[:, 0]
+    torch.testing.assert_close(out[0], p)  # 0: off
+    torch.testing.assert_close(out[1], torch.tensor([0.625, 0.375, 0, 0]))  # 0.15 < 0.5 * 0.5
+    torch.testing.assert_close(out[2], torch.tensor([1.0, 0, 0, 0]))  # top_p keeps 3, then 0.3 < 0.7 * 0.5
+    assert out[3].tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy ignores it
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(6, 200, generator=g, dtype=torch.float64)
+    T, P, K, M = [0.7, 1.0, 1.3, 0.9, 1.0, 0.5], [1.0, 0.9, 0.95, 1.0, 0.8, 0.99], [0, 0, 40, 20, 0, 5], \
+        [0.05, 0.1, 0.02, 0.3, 0.0, 0.2]
+    out = process_logits(logits[:, None], torch.tensor(T), torch.tensor(P), torch.tensor(K), torch.tensor(M))[:, 0]
+    for b in range(6):
+        x = logits[b:b + 1] / T[b]
+        if K[b]:
+            x = transformers.TopKLogitsWarper(K[b])(None, x)
+        x = transformers.TopPLogitsWarper(P[b])(None, x) if P[b] < 1 else x
+        x = transformers.MinPLogitsWarper(M[b])(None, x) if M[b] > 0 else x
+        ref = torch.softmax(x, -1)[0]
+        assert torch.equal(out[b] > 0, ref > 0), b  # the same tokens kept
+        torch.testing.assert_close(out[b].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_rows_take_the_argmax_of_the_logits_as_given():
+    """A float64 run's greedy rows pick what plain greedy decoding picks, though float32 rounds the two
+    largest logits to one value."""
+    logits = torch.tensor([[[1.0, 1.0 + 1e-12, 0.0]]], dtype=torch.float64)
+    out = process_logits(logits, rows(0.0), rows(1.0), rows(0))
+    assert out[0, 0].tolist() == [0.0, 1.0, 0.0]
+
+
 def test_process_logits_keeps_at_least_one_token_and_normalises():
     logits = torch.randn(3, 5, 50)
     out = process_logits(logits, rows(0.5, 1.0, 3.0), rows(1e-6, 0.3, 0.9), rows(1, 0, 7))
