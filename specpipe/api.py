@@ -103,6 +103,16 @@ class _Cancelled(Exception):
     pass
 
 
+SAMPLING_ARGS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+_REENTRY = ("specpipe: generate() was called while this thread is already decoding (from an on_event callback); "
+            "collect what the callback needs and call generate() after the running call returns")
+
+
+def _is_bool(v) -> bool:
+    """True/False, numpy's bool scalars included (not 0/1)."""
+    return isinstance(v, bool) or (type(v).__module__ == "numpy" and type(v).__name__ in ("bool_", "bool"))
+
+
 class _Decoding:
     """One decode at a time per process: the loaded weights and their KV pools are shared (`load_pair`
     caches them), so concurrent calls from several threads (or SpecPipe objects) take turns."""
@@ -113,9 +123,7 @@ class _Decoding:
 
     def __enter__(self):
         if self.owner == threading.get_ident():
-            raise SpecpipeError("specpipe: generate() was called while this thread is already decoding (from an "
-                                "on_event callback); collect what the callback needs and call generate() after "
-                                "the running call returns")
+            raise SpecpipeError(_REENTRY)
         try:
             self.lock.acquire()
             self.owner = threading.get_ident()
@@ -134,20 +142,28 @@ class _Decoding:
 
 _DECODING = _Decoding()
 _LIVE_STREAMS: "weakref.WeakSet" = weakref.WeakSet()
+_WORKERS: set = set()  # (thread, cancel event) of every stream worker still running, closed streams' included
 
 
 @atexit.register
 def _close_streams() -> None:
-    """A stream left open at exit: stop its worker before the interpreter tears torch down under it."""
+    """Stop every stream worker before the interpreter tears torch down under it: a stream left open, and one
+    closed without waiting (a `for` loop left by `break` drops it) whose worker is still inside a step (the
+    process then aborted: "terminate called without an active exception")."""
     for st in list(_LIVE_STREAMS):
-        st.close()
+        st.close(wait=False)
+    for worker, cancel in list(_WORKERS):
+        cancel.set()
+    for worker, cancel in list(_WORKERS):
+        if worker is not threading.current_thread() and _DECODING.owner != threading.get_ident():
+            worker.join()
 
 
 class Stream:
     """StreamEvents of a `SpecPipe.stream` call, decoded by a worker thread. Iterate it; `close()` (or a
     `with` block, or dropping it) stops decoding at the next step."""
 
-    def __init__(self, generate: Callable[[Callable], Any]):
+    def __init__(self, generate: Callable[[Callable, Callable[[], bool]], Any]):
         # the worker sees these, never `self`: a running thread that held the Stream would keep a dropped one
         # alive, decoding to the end and holding the decode lock, instead of letting __del__ stop it
         self._events = events = queue.Queue()
@@ -159,18 +175,21 @@ class Stream:
             if cancel.is_set():
                 raise _Cancelled()
             events.put(ev)
-        sink.cancelled = cancel.is_set  # generate() asks once it has its turn: a stream dropped while it waited
 
         def work() -> None:
             try:
-                generate(sink)
+                generate(sink, cancel.is_set)  # asked again once it has its turn: dropped while it waited?
             except _Cancelled:
                 pass
             except BaseException as e:  # re-raised in the caller's thread
                 events.put(e)
+            finally:
+                _WORKERS.discard(entry)
             events.put(done)
 
         self._worker = threading.Thread(target=work, name="specpipe-stream", daemon=True)
+        entry = (self._worker, cancel)
+        _WORKERS.add(entry)
         _LIVE_STREAMS.add(self)
         self._worker.start()
 
@@ -180,6 +199,10 @@ class Stream:
     def __next__(self) -> StreamEvent:
         if self._closed:
             raise StopIteration
+        if _DECODING.owner == threading.get_ident() and self._events.empty():  # its worker waits for this thread
+            raise SpecpipeError("specpipe: a stream was read inside an on_event callback, while this thread is "
+                                "decoding: it decodes only after the running call returns, so reading it here would "
+                                "wait forever; keep the stream and read it after the call returns")
         ev = self._events.get()
         if ev is self._done:
             self.close()
@@ -235,6 +258,9 @@ def prompt_item(p: Any, n: int) -> dict:
         p = p.tolist()
     if isinstance(p, (list, tuple)):
         p = {"prompt_ids": list(p)}
+    if isinstance(p, dict):  # numpy / torch values (arrays of ids, scalars) and tuples read as their lists
+        p = {k: v.tolist() if hasattr(v, "tolist") and not isinstance(v, (str, bytes)) else
+             list(v) if isinstance(v, tuple) else v for k, v in p.items()}
     if not isinstance(p, dict):
         hint = " (token ids go in a list of their own: [[1, 2, 3]])" if isinstance(p, int) else ""
         return {"error": f"prompt {n}: is {type(p).__name__} {str(p)[:40]!r}; a prompt is a string, a list of "
@@ -242,13 +268,14 @@ def prompt_item(p: Any, n: int) -> dict:
     return parse_prompt_line(p, f"prompt {n}")
 
 
-def check_out_dir(out_dir) -> None:
-    """A SpecpipeError unless out_dir is (or can be made) a writable folder; checked before decoding."""
+def check_out_dir(out_dir) -> str:
+    """out_dir with "~" expanded; a SpecpipeError unless it is (or can be made) a writable folder; checked before
+    decoding."""
     import os
 
     if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
         raise SpecpipeError(f"specpipe: out_dir={out_dir!r} must be a folder path (None: write no files)")
-    path = Path(out_dir)
+    path = Path(out_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise SpecpipeError(f"specpipe: out_dir={str(out_dir)!r} is a file, not a folder")
     try:
@@ -259,6 +286,7 @@ def check_out_dir(out_dir) -> None:
     except OSError as e:
         raise SpecpipeError(f"specpipe: out_dir={str(out_dir)!r} cannot be written ({e.strerror or e}); give a "
                             f"writable folder") from None
+    return str(path)
 
 
 class SpecPipe:
@@ -282,6 +310,8 @@ class SpecPipe:
         ensure_standalone(self.cfg, self.pair, self.dtype, self.device)
         check_against_model(self.cfg, self.pair)  # what generate() would refuse, said now
         self.metrics: Optional[dict] = None  # the last generate() call's metrics (metrics.json's content)
+        self._calls = 0  # generate() calls so far: each draws with its own seed unless given one
+        self._kept: dict = {}  # what run() keeps between calls (draft=suffix: the cache of finished outputs)
 
     @property
     def tokenizer(self):
@@ -292,27 +322,37 @@ class SpecPipe:
                  on_event: Optional[Callable[[StreamEvent], None]] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, top_k: Optional[int] = None,
                  repetition_penalty: Optional[float] = None, min_p: Optional[float] = None,
-                 logprobs: bool = False) -> list[Completion]:
+                 logprobs: Optional[bool] = None, seed: Optional[int] = None) -> list[Completion]:
         """Completions in prompt order. `stop`: stop strings for every prompt (taken as given: no escapes);
         `out_dir` also writes metrics.json and completions.jsonl there; `on_event` gets a StreamEvent
         whenever a request commits tokens and when it finishes (each request's last event has its
         finish_reason, prompts that fail before decoding included). `temperature`, `top_p`, `top_k`,
-        `repetition_penalty`, `min_p`: this
-        call's sampling (sampling.* for all its prompts; a prompt's "seed" still picks its coins). `logprobs`: each
-        completion also holds its tokens' log-probabilities under the raw target logits."""
+        `repetition_penalty`, `min_p`: this call's sampling (sampling.* for all its prompts). `seed`: this call's
+        sampling seed; without it the first call uses the run's seed (as `python -m specpipe` does) and each
+        later call a new one derived from it, so repeated calls draw fresh samples, reproducibly from one
+        process to the next (a prompt's own "seed" always wins). `logprobs`: each completion also holds its
+        tokens' log-probabilities under the raw target logits (None: the overrides' workload.logprobs)."""
+        if on_event is not None and not callable(on_event):
+            raise SpecpipeError(f"specpipe: on_event={on_event!r} must be a function taking a StreamEvent (or None)")
+        cfg, items, out_dir = self._prepare(prompts, max_new_tokens, stop, out_dir, logprobs, seed, dict(
+            temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, min_p=min_p))
+        return self._decode(cfg, items, out_dir, on_event)
+
+    def _prepare(self, prompts, max_new_tokens, stop, out_dir, logprobs, seed, sampling: dict):
+        """The call's config, request items and output folder; every argument checked (SpecpipeError) before
+        anything decodes."""
         from omegaconf import OmegaConf
 
-        from specpipe.app import run
         from specpipe.schema import is_int, sampling_problem
         from specpipe.stop_strings import check_stop
 
-        if on_event is not None and not callable(on_event):
-            raise SpecpipeError(f"specpipe: on_event={on_event!r} must be a function taking a StreamEvent (or None)")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, bytearray)):
             raise SpecpipeError("specpipe: prompts must be text (str), token id lists or chat dicts, not bytes; "
                                 "decode them first (prompt.decode('utf-8'))")
+        elif hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:  # a [N, T] array of ids
+            prompts = prompts.tolist()
         elif not isinstance(prompts, (list, tuple)):
             try:
                 prompts = list(prompts)  # a generator, a dataset column
@@ -326,13 +366,24 @@ class SpecPipe:
             if not is_int(max_new_tokens) or max_new_tokens < 1:
                 raise SpecpipeError(f"specpipe: max_new_tokens={max_new_tokens!r} must be an integer >= 1")
             cfg = OmegaConf.merge(cfg, {"workload": {"max_new_tokens": int(max_new_tokens)}})
-        if logprobs is not (cfg.workload.get("logprobs") or False):
-            if not isinstance(logprobs, bool):
-                raise SpecpipeError(f"specpipe: logprobs={logprobs!r} must be True or False")
-            cfg = OmegaConf.merge(cfg, {"workload": {"logprobs": logprobs}})
-        sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                                      ("repetition_penalty", repetition_penalty), ("min_p", min_p))
-                    if v is not None}
+        if logprobs is not None:
+            if not _is_bool(logprobs):
+                raise SpecpipeError(f"specpipe: logprobs={logprobs!r} must be True or False (None: the overrides' "
+                                    f"workload.logprobs)")
+            cfg = OmegaConf.merge(cfg, {"workload": {"logprobs": bool(logprobs)}})
+        if seed is not None:
+            if not is_int(seed) or not 0 <= seed <= 2 ** 63 - 1:
+                raise SpecpipeError(f"specpipe: seed={seed!r} must be an integer between 0 and 2**63-1 (None: a "
+                                    f"new seed for each call)")
+            base = int(seed)
+        else:  # call k > 0: a new base seed, derived from the run's and k (the first call is the CLI's run)
+            run_seed = cfg.sampling.seed if cfg.sampling.get("seed") is not None else cfg.seed
+            from specpipe.sampling import request_seed
+
+            base = run_seed if self._calls == 0 else request_seed(run_seed, -self._calls)
+        self._calls += 1
+        cfg = OmegaConf.merge(cfg, {"sampling": {"seed": base}})
+        sampling = {k: v for k, v in sampling.items() if v is not None}
         for key, v in sampling.items():  # as strictly as a prompt's own values: "0.7" is not a number
             why = sampling_problem(key, v)
             if why:
@@ -348,19 +399,28 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: invalid sampling argument {sampling}: {str(e).splitlines()[0]}") \
                     from None
         if out_dir is not None:
-            check_out_dir(out_dir)
+            out_dir = check_out_dir(out_dir)
         items = [prompt_item(p, n) for n, p in enumerate(prompts)]
         if stop is not None:
+            if hasattr(stop, "tolist") and not isinstance(stop, str):  # a numpy array of strings
+                stop = stop.tolist()
             why = check_stop(stop)
             if why:
                 raise SpecpipeError(f"specpipe: {why}")
             extra = [stop] if isinstance(stop, str) else list(stop)
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
+        return cfg, items, out_dir
+
+    def _decode(self, cfg, items: list, out_dir, on_event, cancelled: Callable[[], bool] = lambda: False):
+        from specpipe.app import run
+
         deltas = _Deltas(self.pair.tokenizer.decode, on_event) if on_event is not None else None
+        self.metrics = None  # a call that fails leaves none (not an earlier call's)
         with _DECODING:
-            if getattr(on_event, "cancelled", lambda: False)():
+            if cancelled():
                 raise _Cancelled()  # a stream closed while it waited for its turn: nothing to decode
-            out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items, on_step=deltas)
+            out = run(cfg, out_dir=out_dir, quiet=True, pair=self.pair, items=items, on_step=deltas,
+                      keep=self._kept)
             if deltas is not None:  # requests that never ran (bad prompts) get their one, final event
                 deltas(out["requests"])
         self.metrics = out["metrics"]
@@ -369,10 +429,16 @@ class SpecPipe:
                            None if r.logprobs is None else list(r.logprobs)) for r in out["requests"]]
 
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
-               stop: Optional[str | Sequence[str]] = None, **sampling) -> Stream:
+               stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None,
+               logprobs: Optional[bool] = None, seed: Optional[int] = None, **sampling) -> Stream:
         """`generate` as a `Stream` of StreamEvents, in the order tokens are committed (`sampling`: its
-        temperature / top_p / top_k / repetition_penalty / min_p). Decoding runs in a worker thread; closing the
-        stream (`close()`, a `with` block, or the end of a `for` loop over an unnamed stream) stops it at
-        the next step."""
-        return Stream(lambda sink: self.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, on_event=sink,
-                                                 **sampling))
+        temperature / top_p / top_k / repetition_penalty / min_p). Arguments are checked here, before the
+        stream starts (SpecpipeError). Decoding runs in a worker thread; closing the stream (`close()`, a `with`
+        block, or the end of a `for` loop over an unnamed stream) stops it at the next step."""
+        unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
+        if unknown:
+            raise SpecpipeError(f"specpipe: stream() got an unknown argument {unknown[0]!r} (valid: prompts, "
+                                f"max_new_tokens, stop, out_dir, logprobs, seed, {', '.join(SAMPLING_ARGS)}; events "
+                                f"come from iterating the stream, so there is no on_event)")
+        cfg, items, out_dir = self._prepare(prompts, max_new_tokens, stop, out_dir, logprobs, seed, sampling)
+        return Stream(lambda sink, cancelled: self._decode(cfg, items, out_dir, sink, cancelled))

@@ -167,9 +167,11 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
     return reqs
 
 
-def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, device, sampled: bool = False):
+def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, device, sampled: bool = False,
+                   keep: Optional[dict] = None):
     """The drafter `cfg.draft` names; `sampled`: some request samples (a standalone chain then samples its
-    drafts, for rejection sampling)."""
+    drafts, for rejection sampling). `keep`: state carried from one run to the next (the API's calls): the
+    suffix cache of finished outputs, reused when its size and device are the same."""
     d = cfg.draft
     if d.method == "eagle":
         if pair.draft is None:
@@ -178,10 +180,14 @@ def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, d
         return EagleProposer(pair.draft, d.topk, d.num_steps, d.num_draft_tokens,
                              fused_topk=bool(cfg.compile.draft_topk.fused))
     if d.method == "ngram":
-        return NgramProposer(d.topk, d.num_steps, d.num_draft_tokens, d.min_n, d.max_n, max_requests, max_context,
-                             device.torch_device, cache_tokens=d.get("cache_tokens", 0),
-                             cache_prompts=bool(d.get("cache_prompts", False)),
-                             running_tokens=d.get("running_tokens", 0))
+        proposer = NgramProposer(d.topk, d.num_steps, d.num_draft_tokens, d.min_n, d.max_n, max_requests,
+                                 max_context, device.torch_device, cache_tokens=d.get("cache_tokens", 0),
+                                 cache_prompts=bool(d.get("cache_prompts", False)),
+                                 running_tokens=d.get("running_tokens", 0))
+        if keep is not None and proposer.cache is not None:
+            key = ("suffix_cache", proposer.cache.capacity, str(device.torch_device))
+            proposer.cache = keep.setdefault(key, proposer.cache)
+        return proposer
     if d.method == "standalone":
         from specpipe.drafters.standalone import StandaloneDrafter
 
@@ -198,7 +204,8 @@ def any_sampled(cfg: DictConfig, reqs: list[Request]) -> bool:
     return cfg.sampling.temperature >= G or any(r.sampling is not None and r.sampling[0] >= G for r in reqs)
 
 
-def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request], metrics: Metrics):
+def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request], metrics: Metrics,
+                   keep: Optional[dict] = None):
     d = cfg.draft
     longest = max((len(r.prompt_ids) for r in reqs), default=1)
     ps = allocator.page_size
@@ -213,7 +220,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     if d.method == "none":
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
     else:
-        proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled)
+        proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
         pipe = SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
                             d.num_steps, d.num_draft_tokens, make_wrap(cfg, device, metrics), sampling)
     pipe.logprobs = bool(cfg.workload.get("logprobs"))
@@ -342,9 +349,10 @@ def leaked_slots(allocator) -> int:
 
 
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
-        items: Optional[list[dict]] = None, on_step=None) -> dict:
+        items: Optional[list[dict]] = None, on_step=None, keep: Optional[dict] = None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
-    `on_step(requests)` is called after every decode step (see `run_requests`).
+    `on_step(requests)` is called after every decode step (see `run_requests`). `keep`: a dict the caller carries
+    from one run to the next (the API's calls), so state meant to outlive a run (the suffix cache) does.
 
     Decoding never touches torch's global random stream, which is the caller's (a training loop's dropout and
     shuffling; a stream decodes in a thread beside it): sampling draws per-request coins from `cfg.seed`."""
@@ -395,7 +403,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     try:  # from the timer's hooks on: whatever fails (Ctrl-C included) leaves no hook on the shared models
         if cfg.get("model_timing", True):
             metrics.attach_model_timer(models, device.synchronize)
-        pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics)
+        pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics, keep)
         compiles_before = recompile_count()
         partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
         if partial is not None:

@@ -501,6 +501,12 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     if c.prints and (c.multirun or swept):
         return ("specpipe: invalid command: --cfg and --info print one composed config, and this command is a sweep "
                 "(-m, or several values for a key); drop -m and give one value per key to see one job's config")
+    if api and (multirun or swept):  # SpecPipe builds one pipeline: a sweep would run its first point silently
+        what = next((p.input_line for p in swept), None) or next(
+            (o for o in overrides if o.lstrip("+").startswith(("sweep=", "hydra.mode"))), "a sweep")
+        return (f"specpipe: invalid override {what}: SpecPipe runs one configuration, and this is a sweep (several "
+                f"values, a sweep preset or hydra.mode=MULTIRUN); give one value per key, and run sweeps with "
+                f"python -m specpipe -m ... (or build one SpecPipe per point)")
     presets = next((p for p in swept if p.get_key_element().lstrip("+") == "sweep"), None)
     if presets is not None:
         return (f"specpipe: invalid override {presets.input_line}: one ready sweep per command (each sets its own "

@@ -61,6 +61,45 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, what to do instead)
 }
 
 
+# fields of other engines' requests, or near misses of ours, that would silently do nothing: refused by name
+FOREIGN_FIELDS = {
+    "stop_sequences": 'use "stop" (a string or a list of strings)',
+    "max_length": 'use "max_new_tokens" (HF\'s max_length counts the prompt too)',
+    "do_sample": 'use "temperature" (0 is greedy)',
+    "ignore_eos": "it is run-wide here: workload.ignore_eos=true",
+    "add_generation_prompt": "the chat template always gets add_generation_prompt=true",
+    "continue_final_message": "the chat template always gets add_generation_prompt=true",
+}
+KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", "max_new_tokens", "max_tokens", "stop", "stop_token_ids",
+                *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
+METADATA_FIELDS = {"prompt_id", "id", "idx", "index", "task_id", "custom_id", "source", "metadata", "name"}  # pass
+
+
+def misspelt_field(obj: dict) -> Optional[str]:
+    """Why a key of a prompt's object would be silently ignored: another engine's field with no effect here, or a
+    near miss of one of ours ("max_new_token", "temprature"); other keys ("id", "metadata", ...) pass."""
+    import difflib
+
+    for k in obj:
+        if not isinstance(k, str) or k in KNOWN_FIELDS or k in METADATA_FIELDS:
+            continue
+        if k in FOREIGN_FIELDS:
+            return f'field "{k}" would be ignored; {FOREIGN_FIELDS[k]}'
+        spelt = k.lower().replace("-", "_").replace(" ", "_")
+        near = [spelt] if spelt in KNOWN_FIELDS else difflib.get_close_matches(spelt, KNOWN_FIELDS, n=1, cutoff=0.85)
+        if near:
+            return f'field "{k}" is not one specpipe reads, so it would be ignored; did you mean "{near[0]}"?'
+    return None
+
+
+def show(value) -> str:
+    """A value for an error message: JSON where it is JSON, else its repr (numpy / torch values, sets), short."""
+    try:
+        return json.dumps(value)[:40]
+    except (TypeError, ValueError):
+        return repr(value)[:40]
+
+
 def not_unicode(value, field: str = "") -> Optional[str]:
     """Where a JSON value holds a string that is not Unicode text (a lone UTF-16 surrogate, which JSON's
     "\\ud800" escape allows and no tokenizer can encode), or None."""
@@ -101,14 +140,14 @@ def _parse_prompt_line(obj, where) -> dict:
     n = where if isinstance(where, str) else f"line {where}"
     for k, (neutral, instead) in UNSUPPORTED_FIELDS.items():
         if isinstance(obj, dict) and k in obj and not any(type(obj[k]) is type(v) and obj[k] == v for v in neutral):
-            return {"error": f'{n}: field "{k}"={json.dumps(obj[k])[:40]} is not supported per prompt and would be '
+            return {"error": f'{n}: field "{k}"={show(obj[k])} is not supported per prompt and would be '
                              f'ignored; {instead}', "prompt": ""}
     if not isinstance(obj, dict):
         kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
             type(obj), "null" if obj is None else type(obj).__name__)
         return {"error": f'{n}: is {kind}; each prompt is a JSON object: {{"prompt": "..."}}, {{"prompt_ids": '
                          f'[...]}} or {{"messages": [...]}}', "prompt": ""}
-    why = not_unicode(obj)
+    why = not_unicode(obj) or misspelt_field(obj)
     if why:
         return {"error": f"{n}: {why}", "prompt": ""}
     given = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
@@ -143,7 +182,7 @@ def _parse_prompt_line(obj, where) -> dict:
         ids = d["stop_token_ids"]
         if not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids):
             return {"error": f'{n}: "stop_token_ids" must be a list of token ids (integers >= 0), got '
-                             f'{json.dumps(ids)[:40]}', "prompt": ""}
+                             f'{show(ids)}', "prompt": ""}
         if ids:
             extra["stop_token_ids"] = [int(t) for t in ids]
     if "stop" in d:

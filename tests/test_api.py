@@ -454,3 +454,137 @@ def test_an_interrupt_right_after_taking_the_decode_lock_hands_it_back(monkeypat
     other.join()
     assert free == [True] and _DECODING.owner is None
     assert sp.generate(PROMPTS[:1], max_new_tokens=2)[0].finish_reason in ("length", "stop")
+
+
+def test_leaving_a_stream_with_break_right_before_exit_does_not_abort(tmp_path):
+    """The README's pattern: `for ev in sp.stream(...): break`, then the script ends. The dropped stream closed
+    without waiting and left the registry of open streams, so exit tore torch down under its still-running worker
+    ("terminate called without an active exception", status 134)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave_early.py"
+    script.write_text("from specpipe import SpecPipe\n"
+                      "sp = SpecPipe('model=random_tiny', 'device.num_threads=1')\n"
+                      "for ev in sp.stream(['def f(x):'] * 8, max_new_tokens=400):\n    break\nprint('done')\n")
+    for _ in range(2):
+        p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "done" in p.stdout, (p.returncode, p.stderr[-500:])
+
+
+def test_prompt_dicts_take_numpy_and_torch_values():
+    """An array of ids in a prompt's dict, a numpy scalar for a neutral field: as in a list of prompts, values,
+    not types (a numpy array made the error message's json.dumps raise, and the whole call was lost)."""
+    np = pytest.importorskip("numpy")
+    import torch
+
+    sp = SpecPipe(*BASE, "draft=none")
+    out = sp.generate([{"prompt": "x", "stop_token_ids": np.array([9])}, {"prompt": "x", "stop_token_ids": torch.tensor([9])},
+                       {"prompt": "x", "stop_token_ids": {9}}, {"prompt": "x", "n": np.int64(1)},
+                       {"prompt": "x", "presence_penalty": np.float32(0)}, {"prompt_ids": np.array([5, 6, 7])},
+                       {"prompt_ids": (5, 6, 7)}, {"prompt": "x", "n": np.int64(2)}], max_new_tokens=4)
+    assert [c.error is None for c in out] == [True, True, False, True, True, True, True, False]
+    assert '"stop_token_ids" must be a list of token ids' in out[2].error and "{9}" in out[2].error
+    assert 'field "n"=2 is not supported' in out[7].error
+    assert out[5].output_ids == out[6].output_ids == sp.generate([[5, 6, 7]], max_new_tokens=4)[0].output_ids
+
+
+def test_constructor_settings_hold_unless_a_call_sets_its_own():
+    sp = SpecPipe(*BASE, "draft=none", "workload.logprobs=true")
+    assert sp.generate(PROMPTS[:1], max_new_tokens=3)[0].logprobs is not None  # generate() used to force False
+    assert sp.generate(PROMPTS[:1], max_new_tokens=3, logprobs=False)[0].logprobs is None
+    np = pytest.importorskip("numpy")
+    assert sp.generate(PROMPTS[:1], max_new_tokens=3, logprobs=np.bool_(True))[0].logprobs is not None
+    with pytest.raises(SpecpipeError, match="logprobs=1 must be True or False"):
+        sp.generate(PROMPTS[:1], logprobs=1)
+
+
+def test_repeated_calls_draw_fresh_samples_reproducibly():
+    """Without seeds each call samples anew (every call gave the same "random" text); the first call is the CLI
+    run's, a call's seed= pins it, a prompt's own "seed" wins, and a new SpecPipe repeats the same sequence."""
+    over = (*BASE, "draft.topk=2", "draft.num_steps=3", "sampling.temperature=1.5", "workload.max_new_tokens=10")
+    sp = SpecPipe(*over)
+    calls = [[c.output_ids for c in sp.generate(PROMPTS)] for _ in range(3)]
+    assert calls[0] != calls[1] != calls[2] != calls[0]
+    assert calls[0] == [r.output_ids for r in run(compose(*over), quiet=True,
+                                                    items=[{"prompt": p} for p in PROMPTS])["requests"]]
+    assert [[c.output_ids for c in SpecPipe(*over).generate(PROMPTS)] for _ in range(1)] == calls[:1]
+    pinned = [[c.output_ids for c in sp.generate(PROMPTS, seed=11)] for _ in range(2)]
+    assert pinned[0] == pinned[1]
+    own = [sp.generate([{"prompt": PROMPTS[0], "seed": 4}])[0].output_ids for _ in range(2)]
+    assert own[0] == own[1]
+    with pytest.raises(SpecpipeError, match=r"seed=-1 must be an integer between 0 and 2\*\*63-1"):
+        sp.generate(PROMPTS, seed=-1)
+
+
+def test_suffix_cache_lasts_across_calls():
+    """draft=suffix drafts from earlier requests' outputs: calls of one SpecPipe share the cache (each call
+    started with an empty one, so one request per call never drafted from the others)."""
+    sp = SpecPipe(*BASE, "draft=suffix", "workload.max_new_tokens=24")
+    first = sp.generate(PROMPTS[:1])
+    assert sp.metrics["draft_cache"]["texts_added"] == 1
+    again = sp.generate(PROMPTS[:1])
+    assert sp.metrics["draft_cache"]["texts_added"] == 2 and again[0].output_ids == first[0].output_ids
+    assert sp.metrics["accept_length_mean"] > 3  # the first call's output drafted the second's
+    assert SpecPipe(*BASE, "draft=suffix", "workload.max_new_tokens=24").generate(PROMPTS[:1]) and True
+
+
+def test_misspelt_or_foreign_prompt_fields_fail_their_prompt():
+    sp = SpecPipe(*BASE, "draft=none")
+    out = sp.generate([{"prompt": "x", "max_new_token": 3}, {"prompt": "x", "stop_sequences": ["\n"]},
+                       {"prompt": "x", "ignore_eos": True}, {"prompt": "x", "top-p": 0.5},
+                       {"prompt": "x", "id": 7, "prompt_id": "a1", "metadata": {"k": 1}, "label": 1}],
+                      max_new_tokens=3)
+    assert 'field "max_new_token" is not one specpipe reads, so it would be ignored; did you mean "max_new_tokens"?' \
+        in out[0].error
+    assert 'field "stop_sequences" would be ignored; use "stop"' in out[1].error
+    assert "workload.ignore_eos=true" in out[2].error and 'did you mean "top_p"?' in out[3].error
+    assert out[4].error is None  # metadata fields pass
+
+
+def test_api_misuse_is_named_before_anything_decodes(tmp_path, monkeypatch):
+    import threading
+
+    with pytest.raises(SpecpipeError, match="SpecPipe runs one configuration, and this is a sweep"):
+        SpecPipe(*BASE, "sweep=tree_shape")
+    with pytest.raises(SpecpipeError, match="invalid override draft.topk=1,4: SpecPipe runs one configuration"):
+        SpecPipe(*BASE, "draft.topk=1,4")
+    sp = SpecPipe(*BASE, "draft=none")
+    with pytest.raises(SpecpipeError, match="temperature=-1 must be"):
+        sp.stream(PROMPTS, temperature=-1)  # at the call, not at the first next()
+    with pytest.raises(SpecpipeError, match="stream.. got an unknown argument 'on_event'"):
+        sp.stream(PROMPTS, on_event=print)
+
+    class Progress:  # a callback object with its own `cancelled` attribute
+        def __init__(self):
+            self.cancelled, self.seen = False, 0
+
+        def __call__(self, ev):
+            self.seen += 1
+    cb = Progress()
+    assert sp.generate(PROMPTS[:1], max_new_tokens=3, on_event=cb)[0].finish_reason == "length" and cb.seen
+
+    box = {}
+
+    def reads_a_stream(ev):
+        if "err" not in box:
+            try:
+                next(iter(sp.stream(PROMPTS[:1], max_new_tokens=2)))
+            except SpecpipeError as e:
+                box["err"] = str(e)
+    worker = threading.Thread(target=lambda: sp.generate(PROMPTS[:1], max_new_tokens=3, on_event=reads_a_stream),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "reading a stream inside on_event hung"
+    assert "a stream was read inside an on_event callback" in box["err"]
+    join_stream_workers()
+
+    def fails(ev):
+        raise RuntimeError("callback bug")
+    with pytest.raises(RuntimeError, match="callback bug"):
+        sp.generate(PROMPTS[:1], max_new_tokens=3, on_event=fails)
+    assert sp.metrics is None  # not an earlier call's
+    monkeypatch.setenv("HOME", str(tmp_path))
+    sp.generate(PROMPTS[:1], max_new_tokens=3, out_dir="~/runs/a")
+    assert (tmp_path / "runs" / "a" / "metrics.json").exists() and not Path("~").exists()
