@@ -39,7 +39,7 @@ def hydra_main(cfg: DictConfig) -> float:
         print("specpipe: " + msg, file=sys.stderr)
         sys.exit(2)
     from specpipe.errors import SpecpipeError
-    from specpipe.sweep import clear_error, finished_metrics, objective, write_error
+    from specpipe.sweep import clear_error, clear_outputs, failed_objective, finished_metrics, objective, write_error
 
     hc = HydraConfig.get()
     multirun = hc.mode.name == "MULTIRUN"
@@ -54,11 +54,14 @@ def hydra_main(cfg: DictConfig) -> float:
                             f"job {earlier} of this sweep already wrote; it was skipped so that job's results stay. "
                             f"Make hydra.sweep.subdir differ between jobs (its default is ${{hydra.job.num}})")
             print(f"specpipe: {COLLIDED[-1]}", file=sys.stderr)
-            return float("nan")
+            return failed_objective(hc)
     done = finished_metrics(cfg, out_dir) if cfg.resume else None
     if done is not None:  # resume=true: this job finished in an earlier run of the same sweep dir
         print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)
         return objective(done, cfg.latency_limit_ms)
+    overrides = [str(o) for o in hc.overrides.task]  # the job's point, for error.json
+    if multirun:  # this job runs here now: nothing an earlier run left in its folder may pass for its results
+        clear_outputs(out_dir)
     try:
         result = run(cfg, out_dir=out_dir)
     except KeyboardInterrupt:
@@ -74,20 +77,20 @@ def hydra_main(cfg: DictConfig) -> float:
         print(msg, file=sys.stderr)
         if multirun:  # one bad point must not end an overnight sweep
             try:
-                write_error(out_dir, msg)
+                write_error(out_dir, msg, overrides=overrides)
             except OSError:  # the disk that could not take the outputs may not take this either
                 pass
-            return float("nan")
+            return failed_objective(hc)
         sys.exit(e.exit_code)
-    clear_error(out_dir)
+    clear_error(out_dir)  # (a single run into a folder that held a failed sweep job's)
     m = result["metrics"]
     all_failed = m["num_requests"] and m["num_errors"] == m["num_requests"]
     if all_failed and multirun:  # a failed point, as a single run is
         first = (m.get("request_errors") or [{}])[0].get("error", "")
         msg = f"every request failed ({m['num_errors']} of {m['num_requests']}; the first: {first})"
         print(f"specpipe: job {hc.job.num}: {msg}", file=sys.stderr)
-        write_error(out_dir, msg)
-        return float("nan")
+        write_error(out_dir, msg, overrides=overrides)
+        return failed_objective(hc)
     if all_failed:
         print(f"specpipe: every request failed ({m['num_errors']} of {m['num_requests']}; the reasons are listed "
               "above and in completions.jsonl)", file=sys.stderr)

@@ -135,7 +135,8 @@ class Metrics:
             "mean_acceptance_length": float(acc.sum() / drafted + 1) if drafted else None,  # vLLM's
             "accept_length_histogram": np.bincount(acc + 1, minlength=S + 2)[1:].tolist(),  # i: rounds committing i+1
             "acceptance_rate_per_position": [reached[d] / n for d in range(1, S + 1)],
-            "acceptance_rate_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else 0.0
+            # P(depth d | depth d-1): null (no data) where no round reached depth d-1, not a rate of 0
+            "acceptance_rate_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else None
                                          for d in range(1, S + 1)],
             "acceptance_by_rank": (ranks / max(1, ranks.sum())).tolist(),
             "draft_acceptance_rate": float(acc.sum() / max(1, sum(self.linked))),

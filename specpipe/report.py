@@ -23,7 +23,7 @@ from typing import Optional
 
 import yaml
 
-from specpipe.sweep import is_number, metrics_problem, objective, read_json_object
+from specpipe.sweep import NOT_RUN_KEYS, is_number, metrics_problem, objective, read_json_object
 
 METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_verify_steps", "recompiles", "wall_s")
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
@@ -78,7 +78,31 @@ def _overrides(hydra: Optional[Path]) -> dict[str, str]:
         items = yaml.safe_load((hydra / "overrides.yaml").read_text()) or []
     except (OSError, yaml.YAMLError):
         return {}
+    return _parse_overrides(items)
+
+
+def _error_overrides(job_dir: Path) -> dict[str, str]:
+    """key -> value from the overrides a failed job recorded in its error.json (sweep.write_error): its point when
+    Hydra saved no overrides.yaml (hydra.output_subdir=null). Values are written as the config's would be
+    ("0.5" for "0.50"), so they compare with the finished jobs' settings."""
+    err, _ = read_json_object(job_dir / "error.json")
+    items = (err or {}).get("overrides")
+    if not isinstance(items, list):
+        return {}
     out = {}
+    for key, value in _parse_overrides(items).items():
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        out[key] = value if isinstance(parsed, dict) else _text(parsed)
+    return out
+
+
+def _parse_overrides(items) -> dict[str, str]:
+    out = {}
+    if not isinstance(items, list):
+        return out
     for item in items:
         key, _, value = str(item).partition("=")
         if key.lstrip("+~") != "resume":  # how the job was launched, not what it ran; a resumed sweep has it everywhere
@@ -180,16 +204,23 @@ def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int]
                                        *([h / "overrides.yaml"] if h else []))) >= since
 
     kept = [(d, h) for d, h in found if newest(d, h)]
-    jobs = []
+    jobs, told = [], []  # told: the overrides each job's error.json recorded (for jobs without overrides.yaml)
     for d, h in kept:
-        metrics, err = job_state(d)
-        jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", _overrides(h), metrics, err, h))
+        overrides = _overrides(h)
+        metrics, err = job_state(d, overrides)
+        jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", overrides, metrics, err, h))
+        told.append({} if h is not None else _error_overrides(d))
     keys = {k for j in jobs for k in j.overrides}
-    if not keys:  # no overrides.yaml (hydra.output_subdir=null): the settings that differ between finished jobs
-        configs = [_leaves(j.metrics.get("config")) for j in jobs if j.metrics]
+    if not keys:  # no overrides.yaml (hydra.output_subdir=null): the settings that differ between finished jobs,
+        configs = [_leaves(j.metrics.get("config")) for j in jobs if j.metrics]  # and the failed jobs' points
         keys = {k for c in configs for k in c if k != "resume" and len({c2.get(k) for c2 in configs}) > 1}
-        for j in jobs:
-            j.overrides = {k: v for k, v in _leaves((j.metrics or {}).get("config")).items() if k in keys}
+        for k in {k for t in told for k in t} - keys:
+            values = {c[k] for c in configs if k in c} | {t.get(k) for t in told if t}
+            if k != "resume" and not k.startswith("hydra") and len(values) > 1:
+                keys.add(k)
+        for j, t in zip(jobs, told):
+            source = _leaves(j.metrics.get("config")) if j.metrics else t
+            j.overrides = {k: v for k, v in source.items() if k in keys}
     for j in jobs:
         for k in keys - set(j.overrides):  # a job that left a swept key at its default shows what it ran with
             if not k.startswith("hydra"):
@@ -210,15 +241,56 @@ def error_message(job_dir: Path) -> tuple[bool, Optional[str]]:
     return True, msg
 
 
-def job_state(job_dir: Path) -> tuple[Optional[dict], Optional[str]]:
+def _setting(config: dict, key: str):
+    """The value at the dotted key of a resolved config; a `_Missing` instance when there is none."""
+    node = config
+    for part in key.split("."):
+        node = node.get(part, _Missing()) if isinstance(node, dict) else _Missing()
+    return node
+
+
+class _Missing:
+    pass
+
+
+def stale_metrics(metrics: dict, overrides: dict[str, str]) -> Optional[str]:
+    """Why metrics.json is an earlier run's and not this job's (None when nothing says so): a number or true/false
+    that the job's overrides set and metrics.json's config holds otherwise. Folders written by older versions
+    only: a job now clears its folder before it runs, so a re-sweep into the same folder that was interrupted
+    or killed no longer leaves the previous sweep's metrics.json under the new job's settings."""
+    config = metrics.get("config")
+    if not isinstance(config, dict):
+        return None
+    for key, text in overrides.items():
+        if key in NOT_RUN_KEYS or key.startswith("hydra"):
+            continue
+        try:
+            wanted = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue
+        ran = _setting(config, key)
+        if (is_number(wanted) or isinstance(wanted, bool)) and (is_number(ran) or isinstance(ran, bool)) \
+                and isinstance(wanted, bool) == isinstance(ran, bool) and wanted != ran:
+            return (f"unfinished: its metrics.json is an earlier run's ({key}={_text(ran)} there, {key}={text} in "
+                    f"this job's overrides), and this job left none (interrupted or killed); {RERUN}")
+    return None
+
+
+def job_state(job_dir: Path, overrides: Optional[dict[str, str]] = None) -> tuple[Optional[dict], Optional[str]]:
     """(the job's metrics, None) when it finished; else (None, why not): the error.json message of a failed
-    job, what is wrong with a metrics.json that cannot be used, or UNFINISHED when there is neither file."""
+    job, what is wrong with a metrics.json that cannot be used, or UNFINISHED when there is neither file.
+
+    error.json wins over metrics.json: a job in which every request failed writes both (it is a failed point),
+    and so, in folders written by older versions, does a re-run into an earlier sweep's folder that failed
+    (the earlier run's metrics.json stayed); resume=true re-runs such a job too. `overrides` (the job's, from
+    overrides.yaml) tell an earlier run's metrics.json left in the folder (stale_metrics)."""
     metrics, bad_metrics = read_json_object(job_dir / "metrics.json")
+    has_error, failed = error_message(job_dir)
     if metrics is not None:
         bad_metrics = metrics_problem(metrics, METRICS)
-        if bad_metrics is None:
-            return metrics, None
-    _, failed = error_message(job_dir)
+        if bad_metrics is None and not has_error:
+            stale = stale_metrics(metrics, overrides or {})
+            return (metrics, None) if stale is None else (None, stale)
     damaged = f"{bad_metrics}; {RERUN}" if bad_metrics else None
     if failed and damaged:
         return None, f"{failed} ({damaged})"

@@ -132,7 +132,9 @@ def write_error(out_dir: str, error: str, **details: Any) -> None:
     """Record why a sweep job failed, so `python -m specpipe.report` can show it as a row.
 
     error.json holds {"error": error, "crash": false} for a config error; `write_crash` adds the
-    exception's type, message and traceback, with "crash": true."""
+    exception's type, message and traceback, with "crash": true. The job's command-line overrides go in as
+    "overrides" (a list, as Hydra's overrides.yaml holds them), so that the report can name the job's point
+    even when hydra.output_subdir=null saved no overrides.yaml."""
     _write_json(Path(out_dir) / "error.json", {"error": error, "crash": False, **details})
 
 
@@ -141,19 +143,60 @@ def crash_message(exc: BaseException) -> str:
     return f"crashed: {type(exc).__name__}" + (f": {text}" if text else "")
 
 
-def write_crash(out_dir: str, exc: BaseException) -> str:
+def write_crash(out_dir: str, exc: BaseException, **details: Any) -> str:
     """Record an unexpected exception of a sweep job in its error.json; the message the report shows."""
     message = crash_message(exc)
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-TRACEBACK_FRAMES))
     kind = type(exc).__qualname__
     kind = kind if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{kind}"
-    write_error(out_dir, message, crash=True, exception=kind, message=str(exc), traceback=tb)
+    write_error(out_dir, message, crash=True, exception=kind, message=str(exc), traceback=tb, **details)
     return message
 
 
 def clear_error(out_dir: str) -> None:
     """A job that succeeds on a re-run drops the error of its earlier attempt."""
     (Path(out_dir) / "error.json").unlink(missing_ok=True)
+
+
+RUN_OUTPUTS = ("metrics.json", "metrics.json.tmp", "completions.jsonl", "completions.partial.jsonl", "error.json")
+
+
+def clear_outputs(out_dir: str) -> None:
+    """Remove what an earlier run left in a job's folder before the job runs there again (a re-sweep into the same
+    hydra.sweep.dir, or a resumed job that was not finished): an interrupted, killed or failed job must not be
+    left beside an older run's metrics.json, which the report and resume would take for this job's."""
+    for name in RUN_OUTPUTS:
+        path = Path(out_dir) / name
+        try:
+            if not path.is_dir():  # (a folder of that name was never ours)
+                path.unlink(missing_ok=True)
+        except OSError:  # a read-only leftover: the run's own write then fails and says so
+            pass
+
+
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper"
+
+
+def failed_objective(hydra_cfg: Any) -> Any:
+    """What a failed job returns to the sweeper (hydra_cfg: HydraConfig.get(), or a job config's hydra node).
+
+    NaN, which the basic sweeper ignores. Optuna's sweeper (hydra-optuna-sweeper 1.2, optuna 2.x) raises on NaN
+    and ends the whole search at the first failed trial, so there a failed job scores the worst value for the
+    study's direction instead: -inf when it maximizes (sweep=optuna_tree), +inf when it minimizes (the
+    sweeper's default), one per objective for a multi-objective study."""
+    sweeper = getattr(hydra_cfg, "sweeper", None)
+    target = str(getattr(sweeper, "_target_", "") or "") if sweeper is not None else ""
+    if not target.startswith(OPTUNA_SWEEPER):
+        return float("nan")
+    direction = getattr(sweeper, "direction", None)
+
+    def worst(d) -> float:
+        return float("-inf") if "max" in str(getattr(d, "name", d)).lower() else float("inf")
+
+    if isinstance(direction, (list, tuple)) or type(direction).__name__ == "ListConfig":
+        values = [worst(d) for d in direction]
+        return values[0] if len(values) == 1 else values
+    return worst(direction)
 
 
 def objective(metrics: dict, latency_limit_ms: Optional[float]) -> float:
@@ -202,8 +245,8 @@ class SweepSummary(Callback):
 
     on_job_end runs where the job ran: an unexpected exception of a job (a config error is already caught
     and recorded by the job itself) is written to the job's error.json with its traceback, and the job
-    returns NaN to the sweeper instead of raising, so the other jobs still run and Optuna records a failed
-    trial. on_multirun_end runs where the sweep was started: it lists the jobs of this sweep that failed
+    returns failed_objective (NaN; for Optuna the worst score) to the sweeper instead of raising, so the other
+    jobs still run. on_multirun_end runs where the sweep was started: it lists the jobs of this sweep that failed
     and exits with status 1 when there are any. Single runs and Ctrl-C (KeyboardInterrupt is not an
     Exception, so Hydra does not catch it and no callback sees it) are left as they are.
     """
@@ -225,7 +268,7 @@ class SweepSummary(Callback):
         out_dir = config.hydra.runtime.output_dir
         where = f"the traceback is in {out_dir}/error.json"
         try:
-            message = write_crash(out_dir, exc)
+            message = write_crash(out_dir, exc, overrides=[str(o) for o in config.hydra.overrides.task])
         except OSError as e:  # keep the sweep going; the traceback goes to the terminal instead
             message, where = crash_message(exc), f"{out_dir}/error.json could not be written ({e}), so the " \
                                                  "traceback is printed above"
@@ -234,7 +277,7 @@ class SweepSummary(Callback):
             traceback.print_exception(type(exc), exc, exc.__traceback__)
         print(f"specpipe: job {config.hydra.job.num} {message}. This is not a configuration error; {where}. "
               "The sweep goes on with the next job.", file=sys.stderr)
-        job_return.return_value = float("nan")
+        job_return.return_value = failed_objective(config.hydra)
         job_return.status = JobStatus.COMPLETED
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

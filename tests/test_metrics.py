@@ -55,6 +55,16 @@ def test_nothing_drafted_gives_no_rates_rather_than_zero():
     assert s["accept_length_mean"] is None and s["num_drafts"] == s["num_rounds"] == 0
 
 
+def test_a_depth_after_one_no_round_reached_has_no_rate_rather_than_zero():
+    """P(depth d | depth d-1) has no data when no round reached depth d-1: null, not 0 (which would read as
+    "the tree always loses its path there")."""
+    m = Metrics(num_steps=4, topk=1, num_draft_tokens=5)
+    m.record_round([1, 0], [[0, 0, 0, 0], [0, 0, 0, 0]], [4, 4])  # depth 1 reached once, depth 2 never
+    s = m.summary(wall_s=1.0, recompiles=0)
+    assert s["acceptance_rate_by_depth"] == [0.5, 0.0, None, None]  # depth 2 was tried (depth 1 reached): 0
+    assert s["acceptance_rate_per_position"] == [0.5, 0.0, 0.0, 0.0]
+
+
 def test_budget_and_counters():
     s = trace()
     assert s["num_drafts"] == s["num_rounds"] == 4 and s["num_accepted_tokens"] == 6

@@ -237,7 +237,7 @@ def test_a_default_that_config_yaml_holds_as_an_interpolation_shows_its_resolved
         (sweep / name / ".hydra" / "config.yaml").write_text(
             "draft:\n  topk: 1\n  num_steps: 3\n  num_draft_tokens: ${specpipe.draft_tokens:${.topk},${.num_steps}}\n")
         if tokens:
-            config = {"draft": {"topk": 1, "num_draft_tokens": tokens}}
+            config = {"draft": {"topk": 2 if name == "1" else 1, "num_draft_tokens": tokens}}  # as the job ran
             (sweep / name / "metrics.json").write_text(finished(5.0, config))
         else:
             (sweep / name / "error.json").write_text(json.dumps({"error": "specpipe: failed"}))
@@ -296,3 +296,87 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path):
     err = p.stderr.read()
     assert p.wait(timeout=120) == 0 and err == "", err
     assert (sweep / "report.md").is_file()
+
+
+def test_a_job_with_an_error_json_is_failed_even_beside_a_metrics_json(tmp_path, capsys):
+    """A job in which every request failed writes metrics.json (0.0 tokens/s) and error.json; so, in folders of
+    older versions, does a failed re-run into an earlier sweep's folder. error.json wins: the job is listed with
+    the failures, is never Best, and resume=true re-runs it."""
+    from specpipe.report import failure_summary
+
+    sweep = make_sweep(tmp_path / "sweep")
+    (sweep / "1" / "error.json").write_text(json.dumps({"error": "every request failed (2 of 2; the first: x)"}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert table["1"]["tokens_per_s"] == "" and table["1"]["error"] == "every request failed (2 of 2; the first: x)"
+    assert "Best: job 2 (draft.topk=4 draft.num_steps=3)" in (sweep / "report.md").read_text()
+    assert "5 jobs (3 without metrics)" in capsys.readouterr().out
+    summary = failure_summary(sweep, since=float("-inf"))
+    assert "job 1 (draft.topk=2 draft.num_steps=3): every request failed" in summary
+
+
+def test_a_sweep_whose_every_job_failed_has_nothing_to_report(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    for name, slots in (("0", 50), ("1", 60)):
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(f"- allocator.num_slots={slots}\n")
+        m = json.loads(finished(0.0, {"allocator": {"num_slots": slots}}))
+        m.update(num_requests=2, num_errors=2, request_errors=[{"index": 0, "error": "the KV pool is small"}])
+        (sweep / name / "metrics.json").write_text(json.dumps(m))
+        (sweep / name / "error.json").write_text(json.dumps({"error": "every request failed (2 of 2; ...)"}))
+    with pytest.raises(SystemExit) as e:
+        main([str(sweep)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specpipe.report:") and err.count("\n") == 1
+    assert "none finished, so there is nothing to report" in err and "says: every request failed" in err
+    assert not (sweep / "report.png").exists()
+
+
+def test_an_earlier_runs_metrics_json_under_new_overrides_is_unfinished(tmp_path):
+    """Folders of older versions: a re-sweep into an earlier sweep's folder that was interrupted (or killed under
+    a launcher) in job 0 left that sweep's metrics.json beside the new job's overrides.yaml; its config says
+    draft.topk=1 where the job asked for 4, so the job is unfinished, not a finished job with old numbers."""
+    from specpipe.report import failure_summary
+
+    sweep = tmp_path / "sweep"
+    for name, topk, ran in (("0", 4, 1), ("1", 2, 2)):
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(
+            f"- draft.topk={topk}\n- workload.max_new_tokens=16\n- latency_limit_ms=5\n- model=random_tiny\n")
+        config = {"draft": {"topk": ran}, "workload": {"max_new_tokens": 16}, "latency_limit_ms": 20.0,
+                  "model": {"name": "random_tiny"}}
+        (sweep / name / "metrics.json").write_text(finished(5.0 + topk, config))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert table["1"]["tokens_per_s"] == "7.0" and table["1"]["error"] == ""  # latency_limit_ms does not count
+    assert table["0"]["tokens_per_s"] == ""
+    assert table["0"]["error"].startswith("unfinished: its metrics.json is an earlier run's (draft.topk=1 there, "
+                                          "draft.topk=4 in this job's overrides)")
+    assert "Best: job 1 (draft.topk=2)" in (sweep / "report.md").read_text()
+    summary = failure_summary(sweep, since=float("-inf"))
+    assert summary.startswith("specpipe: 1 of 2 jobs failed:\n  job 0 (draft.topk=4): unfinished: its metrics.json")
+
+
+def test_a_failed_job_without_overrides_yaml_is_named_by_its_error_json(tmp_path):
+    """hydra.output_subdir=null: a failed job has no metrics.json config to tell its point by; error.json records
+    the job's overrides, so its row and the end-of-sweep list name its swept value."""
+    from specpipe.report import failure_summary
+
+    sweep = tmp_path / "sweep"
+    for name, steps in (("0", 2), ("1", 3)):
+        (sweep / name).mkdir(parents=True)
+        (sweep / name / "metrics.json").write_text(finished(5.0 + steps, {"draft": {"num_steps": steps}, "seed": 0}))
+    (sweep / "2").mkdir()
+    (sweep / "2" / "error.json").write_text(json.dumps({
+        "error": "specpipe: invalid configuration: draft.num_steps=0 must be between 1 and 128", "crash": False,
+        "overrides": ["draft.num_steps=0", "seed=0", "model=random_tiny"]}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert {j: r["draft.num_steps"] for j, r in table.items()} == {"1": "3", "0": "2", "2": "0"}
+    assert "seed" not in table["2"] and "model" not in table["2"]  # the same in every job: not a column
+    summary = failure_summary(sweep, since=float("-inf"))
+    assert "  job 2 (draft.num_steps=0): invalid configuration: draft.num_steps=0" in summary

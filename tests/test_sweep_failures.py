@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from specpipe.report import failure_summary
 from specpipe.report import main as report_main
 
@@ -49,6 +51,8 @@ def test_a_crash_and_a_config_error_are_recorded_and_the_sweep_exits_1(tmp_path)
     assert "in run_requests" in crash["traceback"] and crash["traceback"].rstrip().endswith(crash["message"])
     config = json.loads((sweep / "1" / "error.json").read_text())
     assert config["crash"] is False and "draft.topk=0" in config["error"]
+    # each error.json names its job's point, for a report without overrides.yaml (hydra.output_subdir=null)
+    assert crash["overrides"] == ["draft.topk=2", *SMALL] and config["overrides"] == ["draft.topk=0", *SMALL]
     done = json.loads((sweep / "2" / "metrics.json").read_text())  # the sweep went on after both failures
     assert done["generated_tokens"] == 16 and done["model_loads_in_process"] == 1  # weights still reused
     summary = p.stderr[p.stderr.index("2 of 3 jobs failed"):]
@@ -108,6 +112,60 @@ def test_a_job_whose_every_request_failed_is_a_failed_point(tmp_path):
     assert p.returncode == 1, p.stderr
     err = json.loads((sweep / "0" / "error.json").read_text())
     assert err["crash"] is False and err["error"].startswith("every request failed (2 of 2; the first: the KV pool")
+    assert err["overrides"][0] == "allocator.num_slots=50"
     assert json.loads((sweep / "1" / "metrics.json").read_text())["num_errors"] == 0
     summary = p.stderr[p.stderr.index("1 of 2 jobs failed"):]
     assert "job 0 (allocator.num_slots=50): every request failed" in summary and "job 1" not in summary
+
+
+def test_a_new_sweep_into_a_used_folder_leaves_no_earlier_results_beside_a_failed_job(tmp_path, capsys):
+    """Job 0's folder holds an earlier sweep's finished run; the new sweep's job 0 is invalid. It writes its
+    error.json and removes the earlier metrics.json and completions.jsonl, which would otherwise be reported
+    (and resumed) as this job's results."""
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    earlier = {"tokens_per_s": 900.0, "step_latency_ms_p90": 1.0, "config": {"draft": {"num_steps": 2}}}
+    (sweep / "0" / "metrics.json").write_text(json.dumps(earlier))
+    (sweep / "0" / "completions.jsonl").write_text('{"index": 0}\n')
+    (sweep / "0" / "completions.partial.jsonl").write_text('{"index": 0}\n')
+    p = sweep_cmd("-m", "draft.num_steps=0", *SMALL, f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 1 and "1 of 1 jobs failed" in p.stderr, p.stderr
+    left = {f.name for f in (sweep / "0").iterdir()}
+    assert "error.json" in left and not left & {"metrics.json", "completions.jsonl", "completions.partial.jsonl"}
+    assert json.loads((sweep / "0" / "error.json").read_text())["overrides"] == ["draft.num_steps=0", *SMALL]
+    with pytest.raises(SystemExit) as e:  # no job finished: nothing to report, not the earlier run's 900 tokens/s
+        report_main([str(sweep)])
+    assert e.value.code == 2 and "nothing to report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, plugin", [("tree_shape", None), ("optuna_tree", "hydra_optuna_sweeper")])
+def test_a_crashed_job_scores_what_its_sweeper_accepts(tmp_path, preset, plugin):
+    """The callback turns a job's exception into a failed point: NaN for the basic sweeper, the worst score for
+    Optuna's (which ends the whole search on NaN), and an error.json that names the job's point."""
+    import importlib.util
+    import math
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf, open_dict
+
+    from specpipe.schema import register_schemas
+    from specpipe.sweep import SweepSummary
+
+    if plugin and importlib.util.find_spec(f"hydra_plugins.{plugin}") is None:
+        pytest.skip(f"{plugin} is not installed (pip install 'specpipe[optuna]')")
+    register_schemas()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"sweep={preset}", "draft.topk=2"], return_hydra_config=True)
+    with open_dict(cfg):
+        OmegaConf.update(cfg, "hydra.runtime.output_dir", str(tmp_path))
+        OmegaConf.update(cfg, "hydra.job.num", 3)
+        OmegaConf.update(cfg, "hydra.overrides.task", ["draft.topk=2", "draft.num_steps=3"])
+    ret = JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("boom"))
+    SweepSummary().on_job_end(cfg, ret)
+    assert ret.status == JobStatus.COMPLETED
+    assert math.isnan(ret.return_value) if plugin is None else ret.return_value == -math.inf
+    err = json.loads((tmp_path / "error.json").read_text())
+    assert err["error"] == "crashed: RuntimeError: boom" and err["overrides"] == ["draft.topk=2", "draft.num_steps=3"]

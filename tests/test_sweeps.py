@@ -1,6 +1,7 @@
 """Sweeps as users run them: in-process weight reuse, joblib, resume, Ctrl-C, ready sweeps, optional plugins."""
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from helpers import compose, default_sigint
 
 from specpipe.report import main as report_main
-from specpipe.sweep import finished_metrics, objective, tree_search_space
+from specpipe.sweep import failed_objective, finished_metrics, objective, tree_search_space
 from specpipe.validate import to_container, validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,6 +241,41 @@ def test_optuna_sweep_maximizes_tokens_per_s(tmp_path):
     best = (sweep / "optimization_results.yaml").read_text()
     assert "best_params" in best and "draft.num_draft_tokens" in best
     assert len(list(sweep.glob("*/metrics.json"))) == 3
+
+
+def test_a_failed_job_scores_nan_for_the_basic_sweeper():
+    assert math.isnan(failed_objective(compose_hydra(["sweep=tree_shape"]).hydra))
+
+
+@pytest.mark.parametrize("direction, worst", [(None, -math.inf), ("minimize", math.inf)])
+def test_a_failed_job_scores_the_worst_value_for_optuna(direction, worst):
+    """Optuna's sweeper ends the whole search when a trial returns NaN: a failed job scores what ranks last
+    for the study's direction (sweep=optuna_tree maximizes), and Optuna accepts it."""
+    if not has_plugin("hydra_optuna_sweeper"):
+        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
+    import optuna
+
+    cfg = compose_hydra(["sweep=optuna_tree", *([f"hydra.sweeper.direction={direction}"] if direction else [])])
+    value = failed_objective(cfg.hydra)
+    assert value == worst
+    study = optuna.create_study(direction=direction or "maximize")
+    for v in (value, 3.0):  # as hydra-optuna-sweeper tells it: no exception, and the failed trial ranks last
+        trial = study.ask()
+        trial.suggest_int("draft.topk", 1, 4)
+        study.tell(trial, v)
+    assert study.best_value == 3.0
+
+
+@pytest.mark.slow
+def test_optuna_search_goes_on_past_failed_trials(tmp_path):
+    if not has_plugin("hydra_optuna_sweeper"):
+        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
+    sweep = tmp_path / "sweep"
+    p = specpipe("sweep=optuna_tree", "hydra.sweeper.n_trials=2", "allocator.num_slots=50", *SMALL,
+                 f"hydra.sweep.dir={sweep}")  # every trial fails: the pool is too small for any request
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "2 of 2 jobs failed" in p.stderr
+    assert "best_value: -.inf" in (sweep / "optimization_results.yaml").read_text()
 
 
 @pytest.mark.slow
