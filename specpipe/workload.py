@@ -67,10 +67,14 @@ FOREIGN_FIELDS = {
     "max_length": 'use "max_new_tokens" (HF\'s max_length counts the prompt too)',
     "do_sample": 'use "temperature" (0 is greedy)',
     "ignore_eos": "it is run-wide here: workload.ignore_eos=true",
+    "n_predict": 'use "max_new_tokens"',
+    "num_predict": 'use "max_new_tokens"',
+    "max_new_length": 'use "max_new_tokens"',
     "add_generation_prompt": "the chat template always gets add_generation_prompt=true",
     "continue_final_message": "the chat template always gets add_generation_prompt=true",
 }
-KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", "max_new_tokens", "max_tokens", "stop", "stop_token_ids",
+LIMIT_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # ours, OpenAI's older and newer names
+KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", *LIMIT_FIELDS, "stop", "stop_token_ids",
                 *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
 METADATA_FIELDS = {"prompt_id", "id", "idx", "index", "task_id", "custom_id", "source", "metadata", "name"}  # pass
 
@@ -132,7 +136,7 @@ def parse_prompt_line(obj, where) -> dict:
 
 def _parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
-    "max_new_tokens" (or "max_tokens"), "stop", "temperature", "top_p", "top_k", "repetition_penalty", "min_p"; or
+    "max_new_tokens" (or "max_tokens", "max_completion_tokens"), "stop", "temperature", "top_p", "top_k", "repetition_penalty", "min_p"; or
     its error.
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3"); a good
@@ -170,13 +174,14 @@ def _parse_prompt_line(obj, where) -> dict:
             own[key] = int(d[key]) if key == "top_k" else float(d[key])
     if own:
         extra["sampling"] = own
-    for key in ("max_new_tokens", "max_tokens"):  # this request's own limit (<= the run's); OpenAI's name too
+    for key in LIMIT_FIELDS:  # this request's own limit (<= the run's); OpenAI's names too
         if key in d:
             m = d[key]
             if not is_int(m) or m < 1:
                 return {"error": f'{n}: "{key}" must be an integer >= 1, got {m!r}', "prompt": ""}
             if extra.get("max_new_tokens", m) != m:
-                return {"error": f'{n}: "max_new_tokens" and "max_tokens" disagree; give one', "prompt": ""}
+                given = [k for k in LIMIT_FIELDS if k in d]
+                return {"error": f'{n}: "{given[0]}" and "{key}" disagree; give one', "prompt": ""}
             extra["max_new_tokens"] = int(m)
     if d.get("stop_token_ids") is not None:  # vLLM's: ids that end the request as EOS does, besides the model's
         ids = d["stop_token_ids"]

@@ -185,7 +185,9 @@ def test_per_request_max_new_tokens(tmp_path, pair):
     lines = [{"prompt": "def f(x):", "max_new_tokens": 3}, {"prompt": "def f(x):"},
              {"prompt": "class A:", "max_new_tokens": 50}, {"prompt": "x", "max_new_tokens": "many"},
              {"prompt_ids": [5, 6, 7], "max_new_tokens": 1}, {"prompt": "y", "seed": "7"},
-             {"prompt": "z", "max_tokens": 5, "id": "q1"}, {"prompt": "z", "id": "q2", "temperature": 0.7}]
+             {"prompt": "z", "max_tokens": 5, "id": "q1"}, {"prompt": "z", "id": "q2", "temperature": 0.7},
+             {"prompt": "z", "max_completion_tokens": 4}, {"prompt": "z", "max_tokens": 4, "max_completion_tokens": 5},
+             {"prompt": "z", "n_predict": 4}]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     reqs = run_on(path, pair, "workload.max_new_tokens=8", "draft.topk=2", "draft.num_steps=3")["requests"]
@@ -196,7 +198,10 @@ def test_per_request_max_new_tokens(tmp_path, pair):
     assert len(reqs[4].output_ids) == 1 and reqs[4].finish_reason == "length"
     assert '"seed" must be an integer between 0 and 2**63-1, got \'7\'' in reqs[5].error  # not silently ignored
     assert reqs[6].max_new_tokens == 5 and reqs[6].error is None  # OpenAI's "max_tokens"
-    assert reqs[7].error is None and reqs[7].sampling == (0.7, 1.0, 0, 1.0)  # its own temperature, the run's rest
+    assert reqs[7].error is None and reqs[7].sampling == (0.7, 1.0, 0, 1.0, 0.0)  # its own temperature, the run's rest
+    assert reqs[8].max_new_tokens == 4 and reqs[8].error is None  # OpenAI's newer name
+    assert '"max_tokens" and "max_completion_tokens" disagree' in reqs[9].error
+    assert 'field "n_predict" would be ignored; use "max_new_tokens"' in reqs[10].error
 
 
 def test_an_interrupted_run_keeps_every_finished_request(tmp_path, pair, monkeypatch):
