@@ -381,7 +381,6 @@ class SpecPipe:
             from specpipe.sampling import request_seed
 
             base = run_seed if self._calls == 0 else request_seed(run_seed, -self._calls)
-        self._calls += 1
         cfg = OmegaConf.merge(cfg, {"sampling": {"seed": base}})
         sampling = {k: v for k, v in sampling.items() if v is not None}
         for key, v in sampling.items():  # as strictly as a prompt's own values: "0.7" is not a number
@@ -409,6 +408,7 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: {why}")
             extra = [stop] if isinstance(stop, str) else list(stop)
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
+        self._calls += 1  # a call refused above draws no seed
         return cfg, items, out_dir
 
     def _decode(self, cfg, items: list, out_dir, on_event, cancelled: Callable[[], bool] = lambda: False):
