@@ -311,6 +311,7 @@ class SpecPipe:
         check_against_model(self.cfg, self.pair)  # what generate() would refuse, said now
         self.metrics: Optional[dict] = None  # the last generate() call's metrics (metrics.json's content)
         self._calls = 0  # generate() calls so far: each draws with its own seed unless given one
+        self._count = threading.Lock()
         self._kept: dict = {}  # what run() keeps between calls (draft=suffix: the cache of finished outputs)
 
     @property
@@ -371,17 +372,9 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: logprobs={logprobs!r} must be True or False (None: the overrides' "
                                     f"workload.logprobs)")
             cfg = OmegaConf.merge(cfg, {"workload": {"logprobs": bool(logprobs)}})
-        if seed is not None:
-            if not is_int(seed) or not 0 <= seed <= 2 ** 63 - 1:
-                raise SpecpipeError(f"specpipe: seed={seed!r} must be an integer between 0 and 2**63-1 (None: a "
-                                    f"new seed for each call)")
-            base = int(seed)
-        else:  # call k > 0: a new base seed, derived from the run's and k (the first call is the CLI's run)
-            run_seed = cfg.sampling.seed if cfg.sampling.get("seed") is not None else cfg.seed
-            from specpipe.sampling import request_seed
-
-            base = run_seed if self._calls == 0 else request_seed(run_seed, -self._calls)
-        cfg = OmegaConf.merge(cfg, {"sampling": {"seed": base}})
+        if seed is not None and (not is_int(seed) or not 0 <= seed <= 2 ** 63 - 1):
+            raise SpecpipeError(f"specpipe: seed={seed!r} must be an integer between 0 and 2**63-1 (None: a new seed "
+                                f"for each call)")
         sampling = {k: v for k, v in sampling.items() if v is not None}
         for key, v in sampling.items():  # as strictly as a prompt's own values: "0.7" is not a number
             why = sampling_problem(key, v)
@@ -408,8 +401,14 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: {why}")
             extra = [stop] if isinstance(stop, str) else list(stop)
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
-        self._calls += 1  # a call refused above draws no seed
-        return cfg, items, out_dir
+        with self._count:  # calls from several threads each take their own number (a call refused above takes none)
+            k, self._calls = self._calls, self._calls + 1
+        if seed is None:  # call k > 0: a new base seed, derived from the run's and k (the first call is the CLI's run)
+            from specpipe.sampling import request_seed
+
+            run_seed = cfg.sampling.seed if cfg.sampling.get("seed") is not None else cfg.seed
+            seed = run_seed if k == 0 else request_seed(run_seed, -k)
+        return OmegaConf.merge(cfg, {"sampling": {"seed": int(seed)}}), items, out_dir
 
     def _decode(self, cfg, items: list, out_dir, on_event, cancelled: Callable[[], bool] = lambda: False):
         from specpipe.app import run

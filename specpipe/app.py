@@ -341,6 +341,21 @@ def check_against_model(cfg: DictConfig, pair) -> None:
                           f"draft.topk<={vocab} (4 to 10 is typical)")
 
 
+def ignored_fields(items: list[dict]) -> dict:
+    """Prompt-object keys that look like typos of ours ("max_new_token"): {key: {"did_you_mean", "prompts"}},
+    said once on stderr. They are ignored, not refused: a dataset's own columns can look alike."""
+    found: dict = {}
+    for it in items:
+        for key, like in (it.get("ignored_fields") or {}).items():
+            found.setdefault(key, {"did_you_mean": like, "prompts": 0})["prompts"] += 1
+    if found:
+        listed = "; ".join(f'"{k}" in {v["prompts"]} prompt(s): did you mean "{v["did_you_mean"]}"?'
+                           for k, v in found.items())
+        print(f"specpipe: note: prompt fields specpipe does not read were ignored ({listed}); rename them if they "
+              f"were meant as settings", file=sys.stderr)
+    return found
+
+
 def leaked_slots(allocator) -> int:
     """Slots not back in any pool's free list. A paired allocator (SWA, HiSparse) counts each pool: its own
     size and available() are the smaller pool's, which hid a leak in HiSparse's larger logical pool."""
@@ -374,6 +389,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
                          sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
+    ignored = ignored_fields(items)
     drafting = drafting_models(cfg, pair)
     try:
         allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
@@ -435,6 +451,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
             unapplied.pop(k, None)
     if unapplied:
         summary["unapplied_generation_settings"] = unapplied  # generation_config.json values HF applies, we don't
+    if ignored:
+        summary["ignored_prompt_fields"] = ignored
     summary["num_requests"] = len(reqs)
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]

@@ -46,8 +46,9 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
 
 
 # fields other engines take per request that would silently do nothing here: refused unless they hold their
-# neutral value (OpenAI batch files often carry "presence_penalty": 0 or "n": 1); other fields (e.g. "id") pass
-UNSUPPORTED_FIELDS = {  # field -> (its neutral values, what to do instead)
+# neutral value (OpenAI batch files often carry "presence_penalty": 0 or "n": 1, replayed vLLM requests
+# "ignore_eos": false); other fields (e.g. "id") pass
+UNSUPPORTED_FIELDS = {  # field -> (its neutral values, or a test of the prompt's object; what to do instead)
     "presence_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "frequency_penalty": ((0, 0.0, None), "use \"repetition_penalty\" (HF's rule) instead"),
     "logit_bias": (({}, None), "logit biases are not applied"),
@@ -58,42 +59,54 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, what to do instead)
     "top_logprobs": ((0, None), "only the sampled token's log-probability is recorded (workload.logprobs=true)"),
     "logprobs": ((False, None), "log-probabilities are recorded for the whole run: workload.logprobs=true (the API: "
                                 "generate(logprobs=True))"),
+    "stop_sequences": (([], None), 'use "stop" (a string or a list of strings)'),
+    "max_length": ((None,), 'use "max_new_tokens" (HF\'s max_length counts the prompt too)'),
+    "n_predict": ((None,), 'use "max_new_tokens"'),
+    "num_predict": ((None,), 'use "max_new_tokens"'),
+    "do_sample": (lambda d: d["do_sample"] is None or (isinstance(d["do_sample"], bool) and _real(
+        d.get("temperature")) and d["do_sample"] == (d["temperature"] > 0)),
+                  'use "temperature" (0 is greedy); do_sample is accepted only beside a temperature it agrees with'),
+    "ignore_eos": ((False, None), "it is run-wide here: workload.ignore_eos=true"),
+    "add_generation_prompt": ((True, None), "the chat template always gets add_generation_prompt=true"),
+    "continue_final_message": ((False, None), "the chat template always gets add_generation_prompt=true"),
 }
 
 
-# fields of other engines' requests, or near misses of ours, that would silently do nothing: refused by name
-FOREIGN_FIELDS = {
-    "stop_sequences": 'use "stop" (a string or a list of strings)',
-    "max_length": 'use "max_new_tokens" (HF\'s max_length counts the prompt too)',
-    "do_sample": 'use "temperature" (0 is greedy)',
-    "ignore_eos": "it is run-wide here: workload.ignore_eos=true",
-    "n_predict": 'use "max_new_tokens"',
-    "num_predict": 'use "max_new_tokens"',
-    "max_new_length": 'use "max_new_tokens"',
-    "add_generation_prompt": "the chat template always gets add_generation_prompt=true",
-    "continue_final_message": "the chat template always gets add_generation_prompt=true",
-}
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def unsupported_field(obj: dict) -> Optional[str]:
+    """Why a field of a prompt's object would silently do nothing here (it holds a non-neutral value), or None."""
+    for k, (neutral, instead) in UNSUPPORTED_FIELDS.items():
+        if k not in obj:
+            continue
+        ok = neutral(obj) if callable(neutral) else any(type(obj[k]) is type(v) and obj[k] == v for v in neutral)
+        if not ok:
+            return f'field "{k}"={show(obj[k])} is not supported per prompt and would be ignored; {instead}'
+    return None
+
+
 LIMIT_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # ours, OpenAI's older and newer names
 KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", *LIMIT_FIELDS, "stop", "stop_token_ids",
                 *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
-METADATA_FIELDS = {"prompt_id", "id", "idx", "index", "task_id", "custom_id", "source", "metadata", "name"}  # pass
 
 
-def misspelt_field(obj: dict) -> Optional[str]:
-    """Why a key of a prompt's object would be silently ignored: another engine's field with no effect here, or a
-    near miss of one of ours ("max_new_token", "temprature"); other keys ("id", "metadata", ...) pass."""
+def near_miss(key) -> Optional[str]:
+    """The field of ours a key of a prompt's object looks like a typo of ("max_new_token", "temprature", "top-p"),
+    or None. Only noted, never refused: datasets carry columns of their own ("prompt_idx", "document", "n_tokens"),
+    which a typo test cannot tell from typos, and a prompt must not fail for its metadata."""
     import difflib
 
-    for k in obj:
-        if not isinstance(k, str) or k in KNOWN_FIELDS or k in METADATA_FIELDS:
-            continue
-        if k in FOREIGN_FIELDS:
-            return f'field "{k}" would be ignored; {FOREIGN_FIELDS[k]}'
-        spelt = k.lower().replace("-", "_").replace(" ", "_")
-        near = [spelt] if spelt in KNOWN_FIELDS else difflib.get_close_matches(spelt, KNOWN_FIELDS, n=1, cutoff=0.85)
-        if near:
-            return f'field "{k}" is not one specpipe reads, so it would be ignored; did you mean "{near[0]}"?'
-    return None
+    if not isinstance(key, str) or key in KNOWN_FIELDS or len(key) <= 4:
+        return None
+    spelt = key.lower().replace("-", "_").replace(" ", "_")
+    if spelt in KNOWN_FIELDS:
+        return spelt
+    if spelt.endswith(("id", "idx", "uid", "_n", "num", "number", "count")):  # an identifier or a count of one
+        return None
+    near = difflib.get_close_matches(spelt, KNOWN_FIELDS, n=1, cutoff=0.85)
+    return near[0] if near else None
 
 
 def show(value) -> str:
@@ -142,16 +155,15 @@ def _parse_prompt_line(obj, where) -> dict:
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3"); a good
     item keeps that name as "where", for the errors found once it is tokenized."""
     n = where if isinstance(where, str) else f"line {where}"
-    for k, (neutral, instead) in UNSUPPORTED_FIELDS.items():
-        if isinstance(obj, dict) and k in obj and not any(type(obj[k]) is type(v) and obj[k] == v for v in neutral):
-            return {"error": f'{n}: field "{k}"={show(obj[k])} is not supported per prompt and would be '
-                             f'ignored; {instead}', "prompt": ""}
+    why = unsupported_field(obj) if isinstance(obj, dict) else None
+    if why:
+        return {"error": f"{n}: {why}", "prompt": ""}
     if not isinstance(obj, dict):
         kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
             type(obj), "null" if obj is None else type(obj).__name__)
         return {"error": f'{n}: is {kind}; each prompt is a JSON object: {{"prompt": "..."}}, {{"prompt_ids": '
                          f'[...]}} or {{"messages": [...]}}', "prompt": ""}
-    why = not_unicode(obj) or misspelt_field(obj)
+    why = not_unicode(obj)
     if why:
         return {"error": f"{n}: {why}", "prompt": ""}
     given = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
@@ -159,6 +171,9 @@ def _parse_prompt_line(obj, where) -> dict:
         return {"error": f'{n}: has both {given[0]!r} and {given[1]!r}; give one of "prompt", "prompt_ids" and '
                          f'"messages"', "prompt": ""}
     extra = {}  # what the request takes besides its prompt
+    typos = {k: near_miss(k) for k in obj if near_miss(k)}
+    if typos:  # noted for the run (`ignored_fields`), the prompt runs
+        extra["ignored_fields"] = typos
     d = obj
     if d.get("seed") is not None:
         if not is_int(d["seed"]) or not 0 <= d["seed"] <= 2 ** 63 - 1:  # torch's generator seeds are 64-bit

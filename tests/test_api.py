@@ -517,6 +517,27 @@ def test_repeated_calls_draw_fresh_samples_reproducibly():
         sp.generate(PROMPTS, seed=-1)
 
 
+def test_calls_from_two_threads_at_once_draw_different_seeds():
+    """Each call takes its number under a lock (two threads both took call 0's seed: the number was read before
+    the prompts were parsed and counted after)."""
+    import threading
+
+    sp = SpecPipe(*BASE, "draft=none")
+    seeds, real, start = [], sp._decode, threading.Barrier(2)
+    sp._decode = lambda cfg, *a: seeds.append(cfg.sampling.seed) or real(cfg, *a)
+    prompts = [{"prompt": f"prompt {i} " * 3} for i in range(300)]
+
+    def call():
+        start.wait()
+        sp.generate(prompts, max_new_tokens=1, temperature=1.0)
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seeds)) == 2 and sp._calls == 2
+
+
 def test_suffix_cache_lasts_across_calls():
     """draft=suffix drafts from earlier requests' outputs: calls of one SpecPipe share the cache (each call
     started with an empty one, so one request per call never drafted from the others)."""
@@ -529,17 +550,29 @@ def test_suffix_cache_lasts_across_calls():
     assert SpecPipe(*BASE, "draft=suffix", "workload.max_new_tokens=24").generate(PROMPTS[:1]) and True
 
 
-def test_misspelt_or_foreign_prompt_fields_fail_their_prompt():
+def test_foreign_fields_fail_their_prompt_and_typos_are_noted(capsys):
+    """Another engine's field set to a value that would do nothing here fails its prompt; at its neutral value it
+    passes (replayed vLLM requests carry "ignore_eos": false). A key like a typo of ours runs, noted once;
+    dataset columns (ids, counts, short names) pass without a word."""
     sp = SpecPipe(*BASE, "draft=none")
-    out = sp.generate([{"prompt": "x", "max_new_token": 3}, {"prompt": "x", "stop_sequences": ["\n"]},
-                       {"prompt": "x", "ignore_eos": True}, {"prompt": "x", "top-p": 0.5},
-                       {"prompt": "x", "id": 7, "prompt_id": "a1", "metadata": {"k": 1}, "label": 1}],
-                      max_new_tokens=3)
-    assert 'field "max_new_token" is not one specpipe reads, so it would be ignored; did you mean "max_new_tokens"?' \
-        in out[0].error
-    assert 'field "stop_sequences" would be ignored; use "stop"' in out[1].error
-    assert "workload.ignore_eos=true" in out[2].error and 'did you mean "top_p"?' in out[3].error
-    assert out[4].error is None  # metadata fields pass
+    out = sp.generate([{"prompt": "x", "stop_sequences": ["\n"]}, {"prompt": "x", "ignore_eos": True},
+                       {"prompt": "x", "do_sample": True}, {"prompt": "x", "add_generation_prompt": False},
+                       {"prompt": "x", "ignore_eos": False, "stop_sequences": [], "add_generation_prompt": True,
+                        "continue_final_message": False, "do_sample": False, "temperature": 0},
+                       {"prompt": "x", "max_new_token": 2, "top-p": 0.5},
+                       {"prompt": "x", "id": 7, "prompt_id": "a1", "prompt_idx": 3, "promptId": "b", "top": 1,
+                        "question_id": 4, "metadata": {"k": 1}}], max_new_tokens=3)
+    assert 'field "stop_sequences"=["\\n"] is not supported per prompt' in out[0].error and 'use "stop"' in out[0].error
+    assert "workload.ignore_eos=true" in out[1].error and 'use "temperature"' in out[2].error
+    assert "add_generation_prompt=true" in out[3].error
+    assert [c.error for c in out[4:]] == [None, None, None]
+    assert len(out[5].output_ids) == 3  # "max_new_token": 2 is not a setting here
+    assert sp.metrics["ignored_prompt_fields"] == {"max_new_token": {"did_you_mean": "max_new_tokens", "prompts": 1},
+                                                   "top-p": {"did_you_mean": "top_p", "prompts": 1}}
+    err = capsys.readouterr().err
+    assert err.count("prompt fields specpipe does not read were ignored") == 1 and '"max_new_token" in 1 prompt' in err
+    sp.generate(["x"], max_new_tokens=2)
+    assert "ignored_prompt_fields" not in sp.metrics and "were ignored" not in capsys.readouterr().err
 
 
 def test_api_misuse_is_named_before_anything_decodes(tmp_path, monkeypatch):

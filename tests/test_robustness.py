@@ -201,7 +201,7 @@ def test_per_request_max_new_tokens(tmp_path, pair):
     assert reqs[7].error is None and reqs[7].sampling == (0.7, 1.0, 0, 1.0, 0.0)  # its own temperature, the run's rest
     assert reqs[8].max_new_tokens == 4 and reqs[8].error is None  # OpenAI's newer name
     assert '"max_tokens" and "max_completion_tokens" disagree' in reqs[9].error
-    assert 'field "n_predict" would be ignored; use "max_new_tokens"' in reqs[10].error
+    assert 'field "n_predict"=4 is not supported per prompt and would be ignored; use "max_new_tokens"' in reqs[10].error
 
 
 def test_an_interrupted_run_keeps_every_finished_request(tmp_path, pair, monkeypatch):
