@@ -258,15 +258,17 @@ def stale_metrics(metrics: dict, overrides: dict[str, str]) -> Optional[str]:
     that the job's overrides set and metrics.json's config holds otherwise. Folders written by older versions
     only: a job now clears its folder before it runs, so a re-sweep into the same folder that was interrupted
     or killed no longer leaves the previous sweep's metrics.json under the new job's settings."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     config = metrics.get("config")
     if not isinstance(config, dict):
         return None
     for key, text in overrides.items():
         if key in NOT_RUN_KEYS or key.startswith("hydra"):
             continue
-        try:
-            wanted = yaml.safe_load(text)
-        except yaml.YAMLError:
+        try:  # as Hydra reads it ("010" is the text 010, which the schema makes 10; YAML would read octal 8)
+            wanted = OverridesParser.create().parse_override(f"{key}={text}").value()
+        except Exception:
             continue
         ran = _setting(config, key)
         if (is_number(wanted) or isinstance(wanted, bool)) and (is_number(ran) or isinstance(ran, bool)) \

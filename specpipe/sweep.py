@@ -92,8 +92,16 @@ def metrics_problem(m: dict, keys=("tokens_per_s", "step_latency_ms_p90")) -> Op
 
 
 def _same_run(stored: dict, current: dict) -> bool:
+    """Whether two resolved configs ran the same job: every setting both hold is equal. A setting only one holds
+    is a key a newer (or older) specpipe added (or dropped) with its default: a sweep started before an upgrade
+    still resumes (every finished job ran again, its results gone, when the upgrade added sampling.min_p)."""
+    def same(a, b) -> bool:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return all(same(a[k], b[k]) for k in a.keys() & b.keys())
+        return a == b
+
     strip = lambda c: {k: v for k, v in c.items() if k not in NOT_RUN_KEYS}  # noqa: E731
-    return strip(stored) == strip(current)
+    return same(strip(stored), strip(current))
 
 
 def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
@@ -159,17 +167,23 @@ def clear_error(out_dir: str) -> None:
 
 
 RUN_OUTPUTS = ("metrics.json", "metrics.json.tmp", "completions.jsonl", "completions.partial.jsonl", "error.json")
+KEPT_OUTPUTS = ("metrics.json", "completions.jsonl")  # an earlier run's results: set aside as NAME.prev, not deleted
 
 
 def clear_outputs(out_dir: str) -> None:
-    """Remove what an earlier run left in a job's folder before the job runs there again (a re-sweep into the same
+    """Clear what an earlier run left in a job's folder before the job runs there again (a re-sweep into the same
     hydra.sweep.dir, or a resumed job that was not finished): an interrupted, killed or failed job must not be
-    left beside an older run's metrics.json, which the report and resume would take for this job's."""
+    left beside an older run's metrics.json, which the report and resume would take for this job's. The earlier
+    results are renamed to metrics.json.prev / completions.jsonl.prev (replacing older ones), never deleted."""
     for name in RUN_OUTPUTS:
         path = Path(out_dir) / name
         try:
-            if not path.is_dir():  # (a folder of that name was never ours)
-                path.unlink(missing_ok=True)
+            if path.is_dir() or not path.exists():  # (a folder of that name was never ours)
+                continue
+            if name in KEPT_OUTPUTS:
+                os.replace(path, path.with_name(name + ".prev"))
+            else:
+                path.unlink()
         except OSError:  # a read-only leftover: the run's own write then fails and says so
             pass
 

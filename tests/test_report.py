@@ -343,8 +343,8 @@ def test_an_earlier_runs_metrics_json_under_new_overrides_is_unfinished(tmp_path
     sweep = tmp_path / "sweep"
     for name, topk, ran in (("0", 4, 1), ("1", 2, 2)):
         (sweep / name / ".hydra").mkdir(parents=True)
-        (sweep / name / ".hydra" / "overrides.yaml").write_text(
-            f"- draft.topk={topk}\n- workload.max_new_tokens=16\n- latency_limit_ms=5\n- model=random_tiny\n")
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(  # 016 is Hydra's 16 (YAML 1.1 reads octal 14)
+            f"- draft.topk={topk}\n- workload.max_new_tokens=016\n- latency_limit_ms=5\n- model=random_tiny\n")
         config = {"draft": {"topk": ran}, "workload": {"max_new_tokens": 16}, "latency_limit_ms": 20.0,
                   "model": {"name": "random_tiny"}}
         (sweep / name / "metrics.json").write_text(finished(5.0 + topk, config))

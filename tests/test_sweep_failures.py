@@ -120,8 +120,8 @@ def test_a_job_whose_every_request_failed_is_a_failed_point(tmp_path):
 
 def test_a_new_sweep_into_a_used_folder_leaves_no_earlier_results_beside_a_failed_job(tmp_path, capsys):
     """Job 0's folder holds an earlier sweep's finished run; the new sweep's job 0 is invalid. It writes its
-    error.json and removes the earlier metrics.json and completions.jsonl, which would otherwise be reported
-    (and resumed) as this job's results."""
+    error.json and sets the earlier metrics.json and completions.jsonl aside (*.prev), which would otherwise be
+    reported (and resumed) as this job's results."""
     sweep = tmp_path / "sweep"
     (sweep / "0").mkdir(parents=True)
     earlier = {"tokens_per_s": 900.0, "step_latency_ms_p90": 1.0, "config": {"draft": {"num_steps": 2}}}
@@ -132,6 +132,8 @@ def test_a_new_sweep_into_a_used_folder_leaves_no_earlier_results_beside_a_faile
     assert p.returncode == 1 and "1 of 1 jobs failed" in p.stderr, p.stderr
     left = {f.name for f in (sweep / "0").iterdir()}
     assert "error.json" in left and not left & {"metrics.json", "completions.jsonl", "completions.partial.jsonl"}
+    assert json.loads((sweep / "0" / "metrics.json.prev").read_text()) == earlier  # set aside, never deleted
+    assert (sweep / "0" / "completions.jsonl.prev").read_text() == '{"index": 0}\n'
     assert json.loads((sweep / "0" / "error.json").read_text())["overrides"] == ["draft.num_steps=0", *SMALL]
     with pytest.raises(SystemExit) as e:  # no job finished: nothing to report, not the earlier run's 900 tokens/s
         report_main([str(sweep)])

@@ -157,6 +157,19 @@ def test_resume_reuses_only_the_same_config(tmp_path):
     assert finished_metrics(cfg, str(tmp_path)) is None
 
 
+def test_resume_matches_a_job_finished_before_an_upgrade_added_a_setting(tmp_path):
+    """A sweep started with an older specpipe stored configs without the settings added since (sampling.min_p):
+    resume compares what both hold, so its finished jobs are skipped, not run again over their results."""
+    cfg = compose(*SMALL)
+    older = to_container(cfg)
+    del older["sampling"]["min_p"]
+    older["retired_setting"] = 3  # and one an upgrade dropped
+    (tmp_path / "metrics.json").write_text(json.dumps({"tokens_per_s": 5.0, "config": older}))
+    assert finished_metrics(cfg, str(tmp_path))["tokens_per_s"] == 5.0
+    cfg.sampling.temperature = 0.5  # a setting both hold still tells runs apart
+    assert finished_metrics(cfg, str(tmp_path)) is None
+
+
 def test_resume_matches_a_run_whose_paths_were_made_absolute(tmp_path, monkeypatch):
     """A run stores its paths absolute (`~/p.jsonl`, or relative under hydra.job.chdir=true); the job's own
     config still says `~/p.jsonl`, and resume re-ran every finished job."""
