@@ -22,6 +22,29 @@ def recompile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+_TIMED: list = [None]  # the Metrics the models' forward hooks time into now (None: the hooks do nothing)
+
+
+def _timer_pre(_module, _args) -> None:
+    import torch
+
+    if torch.compiler.is_compiling():  # first: a traced hook must read no global (Dynamo would guard on it)
+        return
+    m = _TIMED[0]
+    if m is not None and not m._outer:
+        m._forward_begins()
+
+
+def _timer_post(_module, _args, _out) -> None:
+    import torch
+
+    if torch.compiler.is_compiling():  # first: a traced hook must read no global (Dynamo would guard on it)
+        return
+    m = _TIMED[0]
+    if m is not None and not m._outer:
+        m._forward_ends()
+
+
 class Metrics:
     def __init__(self, num_steps: int, topk: int = 1, num_draft_tokens: int = 2):
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
@@ -36,7 +59,7 @@ class Metrics:
         self.first_token_s: list[float] = []
         self.step_s: list[float] = []
         self.retractions = 0
-        self._hooks: list = []
+        self._depth = [0, 0.0]  # timed forwards open, start of the outermost
         self._outer = 0  # > 0 inside a branch timed by model_branch: the hooks stand aside
         self._synchronize = lambda: None
         self.timed = False  # attach_model_timer ran: model time was measured (else the split is unknown)
@@ -54,38 +77,36 @@ class Metrics:
     def attach_model_timer(self, modules, synchronize) -> None:
         """Time every forward of these modules, synchronizing the device around each call.
 
-        The hooks do nothing while Dynamo traces them (a clock read would break the graph, and a compiled
-        branch never calls them again), nor inside a branch `model_branch` already times."""
-        import torch
-
+        The hooks are registered once per module and stay: each run points them at its own Metrics and `detach`
+        points them at nothing. Registering fresh hooks every run changed the modules' hook dicts, which a
+        compiled branch that calls the module guards on: every API call and sweep job recompiled it, and
+        after 8 Dynamo ran it eager. The hooks do nothing while Dynamo traces them (a clock read would break
+        the graph, and a compiled branch never calls them again), nor inside a branch `model_branch` times."""
         self._synchronize = synchronize
         self.timed = True
         # the logits come from a separate call (`model.logits(hidden)`), outside forward: the vocabulary
         # projection, the largest GEMM of a real model, is model time too (an EAGLE head may share the target's)
         heads = [getattr(m, "lm_head", None) for m in modules if m is not None]
-        seen, depth = set(), [0, 0.0]  # [open timed calls, start of the outermost]
         for mod in [*modules, *heads]:
-            if mod is None or id(mod._forward_hooks) in seen:  # shallow copies share hook dicts
-                continue
-            seen.add(id(mod._forward_hooks))
+            if mod is None or any(h is _timer_pre for h in mod._forward_pre_hooks.values()):
+                continue  # hooked by an earlier run (shallow copies share hook dicts)
+            mod.register_forward_pre_hook(_timer_pre)
+            mod.register_forward_hook(_timer_post, always_call=True)
+        _TIMED[0] = self
 
-            def pre(_m, _a):
-                if torch.compiler.is_compiling() or self._outer:
-                    return
-                if depth[0] == 0:
-                    synchronize()
-                    depth[1] = time.perf_counter()
-                depth[0] += 1
+    def _forward_begins(self) -> None:
+        if self._depth[0] == 0:
+            self._synchronize()
+            self._depth[1] = time.perf_counter()
+        self._depth[0] += 1
 
-            def post(_m, _a, _o):
-                if torch.compiler.is_compiling() or self._outer or depth[0] == 0:
-                    return
-                depth[0] -= 1
-                if depth[0] == 0:  # a call inside a timed one (an lm_head inside a forward) is counted once
-                    synchronize()
-                    self.model_s[self.current] += time.perf_counter() - depth[1]
-
-            self._hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post, always_call=True)]
+    def _forward_ends(self) -> None:
+        if self._depth[0] == 0:
+            return
+        self._depth[0] -= 1
+        if self._depth[0] == 0:  # a call inside a timed one (an lm_head inside a forward) is counted once
+            self._synchronize()
+            self.model_s[self.current] += time.perf_counter() - self._depth[1]
 
     def model_branch(self, fn):
         """`fn` (a compiled or captured branch that runs a model forward) timed as model time, as a whole
@@ -106,9 +127,9 @@ class Metrics:
         return timed
 
     def detach(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """The models' timer hooks stop timing into this run (they stay registered, doing nothing)."""
+        if _TIMED[0] is self:
+            _TIMED[0] = None
 
     def record_round(self, counts: list[int], ranks: list[list[int]], linked: list[int]) -> None:
         self.accepted.extend(counts)

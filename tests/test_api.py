@@ -406,13 +406,17 @@ def test_a_job_that_does_not_draft_with_a_model_lets_its_kv_pool_go():
 
 def test_a_run_that_fails_before_decoding_leaves_no_timing_hooks(tmp_path, monkeypatch):
     """The shared models' timing hooks were attached before the run's try/finally: a failure (or Ctrl-C) in
-    between left six more hooks, syncing the device, on every later forward."""
+    between left them timing, syncing the device, on every later forward. They stay registered (once: a compiled
+    branch guards on them) and time nothing outside a run."""
     import specpipe.app as app
+    import specpipe.metrics as metrics_mod
 
     sp = SpecPipe(*BASE)
     hooked = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks)  # noqa: E731
                          for m in (sp.pair.target, sp.pair.target.lm_head, sp.pair.draft) if m is not None)
     real = app.build_pipeline
+    sp.generate(PROMPTS[:1], max_new_tokens=2)
+    once = hooked()
 
     def broken(*a, **k):
         raise RuntimeError("boom")
@@ -420,11 +424,12 @@ def test_a_run_that_fails_before_decoding_leaves_no_timing_hooks(tmp_path, monke
     for _ in range(2):
         with pytest.raises(RuntimeError, match="boom"):
             sp.generate(PROMPTS[:1], max_new_tokens=2)
-    assert hooked() == 0
+    assert hooked() == once and metrics_mod._TIMED[0] is None  # nothing times (or syncs) outside a run
     monkeypatch.setattr(app, "build_pipeline", real)
     (tmp_path / "out" / "completions.partial.jsonl").mkdir(parents=True)  # cannot be the partial file
     out = sp.generate(PROMPTS[:1], max_new_tokens=2, out_dir=tmp_path / "out")
-    assert len(out[0].output_ids) == 2 and (tmp_path / "out" / "metrics.json").exists() and hooked() == 0
+    assert len(out[0].output_ids) == 2 and (tmp_path / "out" / "metrics.json").exists() and hooked() == once
+    assert metrics_mod._TIMED[0] is None
 
 
 def test_an_interrupt_right_after_taking_the_decode_lock_hands_it_back(monkeypatch):

@@ -152,7 +152,17 @@ def test_model_timer_counts_the_logits_call_and_a_nested_call_once(monkeypatch):
                 net.lm_head(out)
         assert m.model_s["verify"] == (1.0 if inner else 2.0)  # one clock tick per timed outermost call
         m.detach()
-        assert not net._forward_hooks and not net.lm_head._forward_hooks
+        with m.stage("verify"):
+            net(torch.randn(2, 4))  # after the run: the hooks stay, timing nothing
+        assert m.model_s["verify"] == (1.0 if inner else 2.0)
+        hooks = (len(net._forward_hooks), len(net.lm_head._forward_hooks))
+        again = Metrics(1)
+        again.attach_model_timer([net], lambda: None)  # a later run: no new hooks (a compiled caller guards on them)
+        assert (len(net._forward_hooks), len(net.lm_head._forward_hooks)) == hooks
+        with again.stage("verify"):
+            net(torch.randn(2, 4))
+        assert again.model_s["verify"] == 1.0 and m.model_s["verify"] == (1.0 if inner else 2.0)
+        again.detach()
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -58,3 +58,18 @@ def test_compiled_draft_extend_decodes_like_eager(prompts_file):
     compiled = run(compose(*base, f"compile.draft_forward.extend={AOT_FULL}"), quiet=True)["requests"]
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     assert all(r.finish_reason == "length" for r in compiled)
+
+
+def test_a_compiled_model_forward_is_reused_by_later_api_calls():
+    """The model timer's hooks were registered afresh for every run, and a compiled branch that calls the model
+    guards on its hook dicts: every generate() call (and in-process sweep job) recompiled each compiled model
+    forward, and after Dynamo's recompile limit of 8 the branch quietly ran eager."""
+    from specpipe import SpecPipe
+
+    sp = SpecPipe("model=random_tiny", "device.num_threads=1", f"compile.verify.target_forward={AOT}",
+                  f"compile.draft_forward.decode={AOT}")
+    first = sp.generate(["def f(x):", "abc"], max_new_tokens=6, seed=0)
+    assert sp.metrics["recompiles"] >= 1
+    for _ in range(3):
+        again = sp.generate(["def f(x):", "abc"], max_new_tokens=6, seed=0)
+        assert sp.metrics["recompiles"] == 0 and [c.output_ids for c in again] == [c.output_ids for c in first]
