@@ -58,6 +58,9 @@ def test_compiled_draft_extend_decodes_like_eager(prompts_file):
     compiled = run(compose(*base, f"compile.draft_forward.extend={AOT_FULL}"), quiet=True)["requests"]
     assert [r.output_ids for r in compiled] == [r.output_ids for r in eager]
     assert all(r.finish_reason == "length" for r in compiled)
+    # the plain word, inductor: automatic dynamic shapes made its codegen fail ("name 's27' is not defined")
+    inductor = run(compose(*base, "compile.draft_forward.extend=compile"), quiet=True)["requests"]
+    assert [r.output_ids for r in inductor] == [r.output_ids for r in eager]
 
 
 def test_a_compiled_model_forward_is_reused_by_later_api_calls():
@@ -73,3 +76,25 @@ def test_a_compiled_model_forward_is_reused_by_later_api_calls():
     for _ in range(3):
         again = sp.generate(["def f(x):", "abc"], max_new_tokens=6, seed=0)
         assert sp.metrics["recompiles"] == 0 and [c.output_ids for c in again] == [c.output_ids for c in first]
+
+
+def test_a_plain_compile_of_a_model_forward_serves_other_lengths_without_recompiling():
+    """`compile` without options on a model forward: automatic dynamic shapes specialized its prompt lengths, mask
+    widths and KV pool size, so later calls with other prompts recompiled (and inductor failed outright on the
+    draft extend). Model forwards default to dynamic=True."""
+    from specpipe import SpecPipe
+
+    rng = random.Random(0)
+    text = lambda n: "".join(rng.choice("abcdefgh ij=():\n") for _ in range(n))  # noqa: E731
+    plain = "'compile(backend=aot_eager)'"
+    sp = SpecPipe("model=random_tiny", "device.num_threads=1", "model_timing=false", "workload.batch_size=4",
+                  f"compile.verify.target_forward={plain}", f"compile.draft_forward.decode={plain}")
+    eager = SpecPipe("model=random_tiny", "device.num_threads=1", "workload.batch_size=4")
+    calls = [([text(n) for n in (5, 9, 30, 12, 7, 3)], 24), ([text(n) for n in (120, 4, 60)], 40),
+             ([text(n) for n in (2, 3, 90, 45, 17, 33, 8)], 30)]
+    for i, (prompts, new) in enumerate(calls):
+        out = sp.generate(prompts, max_new_tokens=new, seed=0)
+        assert [c.output_ids for c in out] == [c.output_ids for c in eager.generate(prompts, max_new_tokens=new,
+                                                                                     seed=0)]
+        if i:
+            assert sp.metrics["recompiles"] == 0, (i, sp.metrics["recompiles"])

@@ -182,11 +182,18 @@ class Device:
         return AutoBranch(name or branch_name(fn), self.auto_candidates(fn, policy.kwargs), self.synchronize)
 
     def compile_fn(self, fn: Callable, options: dict) -> Callable:
-        """torch.compile with the policy's options (`mode=default` is torch's None), batch dim generic.
+        """torch.compile with the policy's options (`mode=default` is torch's None), batch dim generic; a model
+        forward without a `dynamic` option gets dynamic=True.
 
         Not with mode=reduce-overhead: its CUDA graphs are recorded per concrete size anyway.
         """
         kwargs = {k: v for k, v in options.items() if not (k == "mode" and v == "default")}
+        if "dynamic" not in kwargs and getattr(fn, "__name__", "") in getattr(getattr(fn, "__self__", None),
+                                                                            "model_branches", ()):
+            # a model forward's other sizes (prompt length, mask width, the KV pool of each run) change from call
+            # to call: left to automatic dynamic shapes they recompiled mid-run and in later runs, and inductor
+            # failed to generate code for the draft extend ("name 's27' is not defined")
+            kwargs["dynamic"] = True
         compiled = torch.compile(fn, **kwargs)
         return compiled if kwargs.get("mode") == "reduce-overhead" else BatchGeneric(fn, compiled)
 
