@@ -103,6 +103,12 @@ def _compile(cfg, errors: list) -> None:
                 problems.setdefault(problem, []).append(f"compile.{stage}.{br}")
     for problem, keys in problems.items():
         errors.append(f"{problem}; set by {', '.join(keys)}")
+    forward = cfg.compile.get("verify", {}).get("target_forward", "eager")
+    if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator") and str(forward).strip() != "eager":
+        errors.append(f"compile.verify.target_forward={forward!r} cannot run with allocator=hisparse: its hot "
+                      f"buffers are kept on the host from inside the target's forward (each sparse layer's "
+                      f"selection goes through an LRU), which a compiled or captured graph cannot hold; keep "
+                      f"compile.verify.target_forward=eager (the other branches may compile), or use allocator=paged")
 
 
 def _unknown_keys(cfg: DictConfig, errors: list) -> None:

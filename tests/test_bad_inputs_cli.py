@@ -59,6 +59,8 @@ CASES = [
     (["workload.stop="], "workload.stop='' is empty", True),
     (["allocator=hisparse", "allocator.host_to_device_ratio=0"], "allocator.host_to_device_ratio=0 must be >= 1",
      True),
+    (["allocator=hisparse", "model.sparse_top_k=8", "compile.verify.target_forward=compile"],
+     "compile.verify.target_forward='compile' cannot run with allocator=hisparse", True),
     (["draft=ngram", "draft.min_n=3", "draft.max_n=2"], "need 1 <= min_n <= max_n", True),
     (["draft=ngram", "draft.topk=2", "draft.num_steps=3", "draft.num_draft_tokens=9"],
      "draft.num_draft_tokens=9 is too large for the n-gram trie of topk=2, num_steps=3", True),
