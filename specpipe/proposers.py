@@ -10,6 +10,8 @@ so the verify/commit code in `spec_pipeline` is shared by every drafter.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -41,6 +43,7 @@ class EagleProposer:
         self.bad = None  # [B] draft logits non-finite this round
         self.feature_layers = getattr(head, "aux_layers", None)  # EAGLE-3 reads several target layers
         self.topk_p = self.topk_index = self.draft_hidden = None
+        self.windowed = any(getattr(m, "window", None) is not None for m in head.modules())  # banded prefill
 
     def join(self, pipe, reqs, pf, first) -> None:
         """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p); packed (no padding)
@@ -48,11 +51,16 @@ class EagleProposer:
         ids = pf.ids
         ids_d = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1).scatter(1, pf.last[:, None], first[:, None])
         # packed, the prompts are segments of one row while `pf.ends` has one entry per prompt; a compiled or
-        # graphed extend takes the padded form, whose inputs all have one row per prompt (one batch size)
-        if pf.packed_for(self.head) and "extend" not in getattr(self.draft_fwd, "wrapped", ()):
-            p, idx, h = self.draft_fwd.extend(ids_d.reshape(1, -1)[:, pf.flat], pf.packed_hidden, pf.packed, pf.ends)
+        # graphed extend takes the padded form, whose inputs all have one row per prompt (one batch size). A head
+        # with sliding-window layers prefills eagerly: its banded attention loops over the prompt's length, which
+        # a compiled extend specialized (a recompile for every new prompt length, then eager past the limit)
+        extend, compiled = self.draft_fwd.extend, "extend" in getattr(self.draft_fwd, "wrapped", ())
+        if compiled and self.windowed:
+            extend, compiled = partial(type(self.draft_fwd).extend, self.draft_fwd), False
+        if pf.packed_for(self.head) and not compiled:
+            p, idx, h = extend(ids_d.reshape(1, -1)[:, pf.flat], pf.packed_hidden, pf.packed, pf.ends)
         else:
-            p, idx, h = self.draft_fwd.extend(ids_d, pf.hidden, pf.batch, pf.last)
+            p, idx, h = extend(ids_d, pf.hidden, pf.batch, pf.last)
         if self.topk_p is None or self.topk_p.shape[0] == 0:
             self.topk_p, self.topk_index, self.draft_hidden = p, idx, h
         else:

@@ -98,3 +98,19 @@ def test_a_plain_compile_of_a_model_forward_serves_other_lengths_without_recompi
                                                                                      seed=0)]
         if i:
             assert sp.metrics["recompiles"] == 0, (i, sp.metrics["recompiles"])
+
+
+def test_a_compiled_draft_extend_with_sliding_window_layers_does_not_recompile_per_prompt_length(prompts_file):
+    """A head with sliding-window layers prefills with banded attention, which loops over the prompt's length: a
+    compiled extend specialized it and recompiled for each new length (then ran eager past Dynamo's limit). The
+    prompt's prefill runs eagerly; the compiled extend serves the decode rounds."""
+    from specpipe.app import run
+
+    rng = random.Random(2)
+    path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])
+    base = ["model=random_tiny", "model.sliding_window=8", "allocator=swa", "allocator.window=8",
+            f"workload.prompts_file={path}", "workload.batch_size=3", "workload.max_new_tokens=10", "model_timing=false"]
+    eager = run(compose(*base), quiet=True)["requests"]
+    out = run(compose(*base, f"compile.draft_forward.extend={AOT}"), quiet=True)
+    assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in eager]
+    assert out["metrics"]["recompiles"] <= 2, out["metrics"]["recompiles"]
