@@ -52,18 +52,34 @@ def make_wrap(cfg: DictConfig, device, metrics: Optional[Metrics] = None):
     """The binder stages call once per branch: the branch's policy, translated by the device.
 
     A compiled branch that runs a model forward is timed as model time as a whole (`Metrics.model_branch`):
-    the per-module timer hooks cannot run inside a compiled graph."""
+    the per-module timer hooks cannot run inside a compiled graph. `wrap.asked` collects the policy keys the
+    stages asked for (`unapplied_policies` names the others)."""
     def wrap(stage: str, branch: str, fn):
+        wrap.asked.add(f"{stage}.{branch}")
         policy = cfg.compile.get(stage, {}).get(branch) if stage in cfg.compile else None
         if policy is None:
             return fn
         parsed = parse_policy(policy)
-        out = device.compile(fn, parsed)
+        out = device.compile(fn, parsed, name=f"{stage}.{branch}")
         owner = getattr(fn, "__self__", None)
         if metrics is not None and parsed.mode != "eager" and branch in getattr(owner, "model_branches", ()):
             out = metrics.model_branch(out)
         return out
+    wrap.asked = set()
     return wrap
+
+
+def unapplied_policies(cfg: DictConfig, asked: set) -> list[str]:
+    """Non-eager compile policies for branches this run does not have (draft=none has no verify stage to
+    compile, draft=ngram no draft_topk; with draft_topk.fused, `first` is unused), said once: they run nothing."""
+    out = [f"compile.{stage}.{branch}={value}" for stage, branches in cfg.compile.items()
+           for branch, value in branches.items()
+           if not isinstance(value, bool) and str(value).strip() != "eager" and f"{stage}.{branch}" not in asked]
+    if out:
+        print(f"specpipe: note: {', '.join(out)}: no branch of this run (draft={cfg.draft.method}) reads it, so it "
+              f"compiles nothing (the run's branches: {', '.join(sorted(asked)) or 'none, plain decoding'})",
+              file=sys.stderr)
+    return out
 
 
 def running_batch(cfg: DictConfig, reqs: list[Request]) -> int:
@@ -207,6 +223,7 @@ def any_sampled(cfg: DictConfig, reqs: list[Request]) -> bool:
 def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request], metrics: Metrics,
                    keep: Optional[dict] = None):
     d = cfg.draft
+    wrap = make_wrap(cfg, device, metrics)
     longest = max((len(r.prompt_ids) for r in reqs), default=1)
     ps = allocator.page_size
     max_context = longest + cfg.workload.max_new_tokens + d.num_draft_tokens + d.topk * d.num_steps + 2 * ps + 1
@@ -222,8 +239,9 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     else:
         proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
         pipe = SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
-                            d.num_steps, d.num_draft_tokens, make_wrap(cfg, device, metrics), sampling)
+                            d.num_steps, d.num_draft_tokens, wrap, sampling)
     pipe.logprobs = bool(cfg.workload.get("logprobs"))
+    pipe.unapplied_policies = unapplied_policies(cfg, wrap.asked)
     return pipe
 
 
@@ -453,6 +471,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         summary["unapplied_generation_settings"] = unapplied  # generation_config.json values HF applies, we don't
     if ignored:
         summary["ignored_prompt_fields"] = ignored
+    if getattr(pipe, "unapplied_policies", None):
+        summary["unapplied_compile_policies"] = pipe.unapplied_policies
     summary["num_requests"] = len(reqs)
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]

@@ -120,3 +120,13 @@ def test_pipeline_with_auto_decides_every_branch_and_stays_lossless(prompts_file
     assert all(set(d["timings_us"]) == {"eager", "compile"} for d in dec.values()), dec
     want = run(compose(*common, "compile=eager"), quiet=True)["requests"]
     assert [r.output_ids for r in seen["requests"]] == [r.output_ids for r in want]
+
+
+def test_a_fused_top_k_decision_is_recorded_under_its_policy_key(prompts_file, monkeypatch):
+    """compile=whole runs both top-k steps as one function under `later`'s policy: its decision is recorded as
+    draft_topk.later (the key the user set), not under the function's own name (draft_topk.fused)."""
+    path = prompts_file(["abc de=()\n" * 2, "x = (a"])
+    cfg = compose("model=random_tiny", f"workload.prompts_file={path}", "workload.max_new_tokens=8", "compile=whole",
+                  "compile.draft_topk.later='auto(backend=aot_eager)'")
+    dec = collect_decisions(run_watched(monkeypatch, cfg)["pipe"])
+    assert set(dec) == {"draft_topk.later"}, dec

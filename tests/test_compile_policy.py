@@ -124,3 +124,18 @@ def test_cli_policy_errors_and_graph_on_cpu_come_from_precheck():
     assert "unknown option 'dynamc'" in precheck(["compile.draft_topk.later='compile(dynamc=true)'"])
     assert "device cpu cannot run 'graph'" in precheck(["compile=graph"])
     assert precheck(["compile=graph", "device=cuda"]) is None
+
+
+def test_a_policy_for_a_branch_the_run_does_not_have_is_named(capsys):
+    """draft=none builds no verify stage and draft=ngram no draft top-k: their policies compiled nothing without a
+    word, and a "compiled" baseline ran eager."""
+    from helpers import compose
+    from specpipe.app import run
+
+    base = ["model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=3"]
+    m = run(compose(*base, "draft=none", "compile.verify.target_forward=compile"), quiet=True)["metrics"]
+    assert m["unapplied_compile_policies"] == ["compile.verify.target_forward=compile"]
+    assert "no branch of this run (draft=none) reads it, so it compiles nothing" in capsys.readouterr().err
+    m = run(compose(*base, "draft=ngram", "compile.draft_topk.later=eager", "compile.build_tree.build=eager"),
+            quiet=True)["metrics"]
+    assert "unapplied_compile_policies" not in m and "compiles nothing" not in capsys.readouterr().err
