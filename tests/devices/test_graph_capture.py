@@ -162,7 +162,7 @@ def test_graphed_model_branch_is_timed_without_synchronizing_inside_the_capture(
         assert not CapturingApi.capturing, "synchronize() inside a graph capture (cudaErrorStreamCaptureUnsupported)"
 
     class GraphDevice:
-        def compile(self, fn, policy):
+        def compile(self, fn, policy, name=None):
             return GraphBranch(fn, CapturingApi, "CUDAGraph")
 
     metrics = Metrics(1)
