@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from specpipe.build import build
 from specpipe.compile_policy import parse_policy
-from specpipe.metrics import Metrics, recompile_count
+from specpipe.metrics import Metrics, recompile_count, recompile_limit_hits
 from specpipe.models.llama import fuse_projections
 from specpipe.errors import ConfigError
 from specpipe.pipeline import PlainPipeline, Request
@@ -438,7 +438,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         if cfg.get("model_timing", True):
             metrics.attach_model_timer(models, device.synchronize)
         pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics, keep)
-        compiles_before = recompile_count()
+        compiles_before, limits_before = recompile_count(), recompile_limit_hits()
         partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
         if partial is not None:
             partial.write([r for r in reqs if r.finished])  # bad prompts: failed before the run
@@ -451,6 +451,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         if partial is not None:
             partial.close()
     summary = metrics.summary(wall, recompile_count() - compiles_before)
+    summary["recompile_limit_hits"] = recompile_limit_hits() - limits_before
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_pool_slots"] = int(allocator.size)  # what num_slots=null resolved to
     summary["kv_leaked_slots"] = leaked_slots(allocator)

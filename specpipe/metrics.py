@@ -45,6 +45,16 @@ def _timer_post(_module, _args, _out) -> None:
         m._forward_ends()
 
 
+def recompile_limit_hits() -> int:
+    """Times so far Dynamo gave up compiling a branch (its recompile limit): that branch then runs eager, which
+    `recompiles` alone cannot show (it counts graphs compiled, and none is)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # pragma: no cover - dynamo unavailable
+        return 0
+    return int(sum(n for k, n in counters["unimplemented"].items() if str(k).startswith("Dynamo recompile limit")))
+
+
 class Metrics:
     def __init__(self, num_steps: int, topk: int = 1, num_draft_tokens: int = 2):
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens

@@ -43,7 +43,8 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
                                               for x in m["acceptance_rate_per_position"])),
         ("sampling", sampling_text(m.get("sampling"))),
         ("verify steps", str(m["num_verify_steps"])),
-        ("recompiles", str(m["recompiles"])),
+        ("recompiles", str(m["recompiles"]) + (f" (recompile limit hit {m['recompile_limit_hits']}x: a compiled "
+                                                f"branch ran eager)" if m.get("recompile_limit_hits") else "")),
         ("leaked KV slots", str(m["kv_leaked_slots"])),
     ]
     for k, v in rows:

@@ -113,3 +113,20 @@ def test_a_compiled_draft_extend_with_sliding_window_layers_does_not_recompile_p
     out = run(compose(*base, f"compile.draft_forward.extend={AOT}"), quiet=True)
     assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in eager]
     assert out["metrics"]["recompiles"] <= 2, out["metrics"]["recompiles"]
+
+
+def test_a_branch_past_dynamos_recompile_limit_is_reported(prompts_file, monkeypatch):
+    """Past its recompile limit Dynamo runs a branch eager and compiles nothing more, so `recompiles` alone read as
+    if all were well; recompile_limit_hits counts it (the fused top-k needs a graph per step kind, 3 > 1 here)."""
+    import torch._dynamo
+
+    from specpipe.app import run
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    path = prompts_file(["abc de=()\n" * 2, "x = (a"])
+    base = ["model=random_tiny", f"workload.prompts_file={path}", "workload.max_new_tokens=8"]
+    m = run(compose(*base, "compile=whole", f"compile.draft_topk.later={AOT}"), quiet=True)["metrics"]
+    assert m["recompile_limit_hits"] >= 1
+    assert run(compose(*base), quiet=True)["metrics"]["recompile_limit_hits"] == 0
+    torch._dynamo.reset()

@@ -42,3 +42,11 @@ def test_a_chunked_swa_prefill_is_noted_under_the_table(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "2 request prefill(s) ran in chunks (600 target forwards, as few as 3 tokens each)" in out
     assert "allocator.swa_num_slots" in out
+
+
+def test_a_recompile_limit_hit_is_shown_beside_recompiles(capsys):
+    m = metrics({"method": "none", "topk": 1, "num_steps": 1, "num_draft_tokens": 2})
+    print_summary({**m, "recompile_limit_hits": 0}, None)
+    assert "recompile limit" not in capsys.readouterr().out
+    print_summary({**m, "recompile_limit_hits": 2}, None)
+    assert "recompile limit hit 2x: a compiled branch ran eager" in " ".join(capsys.readouterr().out.split())
