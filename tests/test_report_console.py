@@ -49,4 +49,5 @@ def test_a_recompile_limit_hit_is_shown_beside_recompiles(capsys):
     print_summary({**m, "recompile_limit_hits": 0}, None)
     assert "recompile limit" not in capsys.readouterr().out
     print_summary({**m, "recompile_limit_hits": 2}, None)
-    assert "recompile limit hit 2x: a compiled branch ran eager" in " ".join(capsys.readouterr().out.split())
+    out = capsys.readouterr().out
+    assert "recompile limit hit 2x" in out and "ran eager" in out
