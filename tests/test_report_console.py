@@ -50,4 +50,4 @@ def test_a_recompile_limit_hit_is_shown_beside_recompiles(capsys):
     assert "recompile limit" not in capsys.readouterr().out
     print_summary({**m, "recompile_limit_hits": 2}, None)
     out = capsys.readouterr().out
-    assert "recompile limit hit 2x" in out and "ran eager" in out
+    assert "recompile limit hit 2x" in out and "eager)" in out
