@@ -20,7 +20,7 @@ from specpipe.pipeline import PlainPipeline, Request
 from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
-from specpipe.schema import SAMPLING_RULES
+from specpipe.schema import GREEDY_TEMPERATURE, SAMPLING_RULES
 from specpipe.stages.prepare_decode import check_sparse_model, check_window_pool, target_kv_layout
 from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
@@ -76,7 +76,10 @@ def unapplied_policies(cfg: DictConfig, asked: set) -> list[str]:
            for branch, value in branches.items()
            if not isinstance(value, bool) and str(value).strip() != "eager" and f"{stage}.{branch}" not in asked]
     if out:
-        print(f"specpipe: note: {', '.join(out)}: no branch of this run (draft={cfg.draft.method}) reads it, so it "
+        d = cfg.draft
+        name = "suffix" if d.method == "ngram" and (d.get("cache_tokens", 0) > 0 or d.get("running_tokens", 0) > 0) \
+            else d.method  # (the summary's title names it so too)
+        print(f"specpipe: note: {', '.join(out)}: no branch of this run (draft={name}) reads it, so it "
               f"compiles nothing (the run's branches: {', '.join(sorted(asked)) or 'none, plain decoding'})",
               file=sys.stderr)
     return out
@@ -132,6 +135,13 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
         reqs.append(r)
         if "error" in it:
             r.finish_reason, r.error = "error", it["error"]
+            continue
+        temperature = (r.sampling or sampling)[0]
+        if it.get("do_sample") is not None and it["do_sample"] != (temperature >= GREEDY_TEMPERATURE):
+            r.finish_reason = "error"
+            r.error = (f'field "do_sample"={str(it["do_sample"]).lower()} disagrees with the temperature '
+                       f"{temperature:g} it would run with, so it would be ignored; give the prompt its own "
+                       f'"temperature" (0 is greedy)')
             continue
         if r.max_new_tokens > max_new_tokens:
             r.finish_reason = "error"

@@ -91,12 +91,20 @@ def _error_overrides(job_dir: Path) -> dict[str, str]:
         return {}
     out = {}
     for key, value in _parse_overrides(items).items():
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            parsed = value
+        parsed = hydra_value(key, value)
         out[key] = value if isinstance(parsed, dict) else _text(parsed)
     return out
+
+
+def hydra_value(key: str, text: str):
+    """An override's value as Hydra reads it ("010" is the text 010, which the schema makes 10; YAML 1.1 would read
+    octal 8), or the text itself when Hydra cannot parse it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(f"{key}={text}").value()
+    except Exception:
+        return text
 
 
 def _parse_overrides(items) -> dict[str, str]:
@@ -258,18 +266,13 @@ def stale_metrics(metrics: dict, overrides: dict[str, str]) -> Optional[str]:
     that the job's overrides set and metrics.json's config holds otherwise. Folders written by older versions
     only: a job now clears its folder before it runs, so a re-sweep into the same folder that was interrupted
     or killed no longer leaves the previous sweep's metrics.json under the new job's settings."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     config = metrics.get("config")
     if not isinstance(config, dict):
         return None
     for key, text in overrides.items():
         if key in NOT_RUN_KEYS or key.startswith("hydra"):
             continue
-        try:  # as Hydra reads it ("010" is the text 010, which the schema makes 10; YAML would read octal 8)
-            wanted = OverridesParser.create().parse_override(f"{key}={text}").value()
-        except Exception:
-            continue
+        wanted = hydra_value(key, text)
         ran = _setting(config, key)
         if (is_number(wanted) or isinstance(wanted, bool)) and (is_number(ran) or isinstance(ran, bool)) \
                 and isinstance(wanted, bool) == isinstance(ran, bool) and wanted != ran:

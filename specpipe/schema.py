@@ -221,6 +221,8 @@ class SamplingConf:
     from_model: bool = False
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below are greedy (vLLM's rule): logits / a subnormal overflow to inf
+
 # what a temperature / top_p / top_k / repetition_penalty / min_p may be: (integer only, valid, its words); one rule for sampling.*, a prompt's
 # own values and a model's generation_config.json
 SAMPLING_RULES = {

@@ -91,17 +91,46 @@ def metrics_problem(m: dict, keys=("tokens_per_s", "step_latency_ms_p90")) -> Op
     return None
 
 
-def _same_run(stored: dict, current: dict) -> bool:
-    """Whether two resolved configs ran the same job: every setting both hold is equal. A setting only one holds
-    is a key a newer (or older) specpipe added (or dropped) with its default: a sweep started before an upgrade
-    still resumes (every finished job ran again, its results gone, when the upgrade added sampling.min_p)."""
-    def same(a, b) -> bool:
+def schema_default(cfg: Optional[DictConfig], path: tuple) -> tuple[bool, Any]:
+    """(True, the default) of the setting at `path` from the dataclass schema of its parent node in `cfg`, or
+    (False, None) when no schema says."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    if cfg is None:
+        return False, None
+    parent = OmegaConf.select(cfg, ".".join(path[:-1])) if len(path) > 1 else cfg
+    schema = OmegaConf.get_type(parent) if isinstance(parent, DictConfig) else None
+    if not dataclasses.is_dataclass(schema):
+        return False, None
+    for f in dataclasses.fields(schema):
+        if f.name == path[-1]:
+            if f.default is not dataclasses.MISSING:
+                return True, f.default
+            if f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+                return True, to_container(OmegaConf.structured(value)) if dataclasses.is_dataclass(value) else value
+    return False, None
+
+
+def _same_run(stored: dict, current: dict, job: Optional[DictConfig] = None) -> bool:
+    """Whether two resolved configs ran the same job: every setting both hold is equal; a setting only the job
+    holds must be at its schema default (a newer specpipe added it: a sweep started before an upgrade still
+    resumes; every finished job ran again, its results gone, when the upgrade added sampling.min_p); a setting
+    only the stored run holds (an older specpipe's, since dropped) is left out."""
+    def at_default(value, path: tuple) -> bool:
+        known, default = schema_default(job, path)
+        return known and default == value
+
+    def same(a, b, path: tuple) -> bool:
         if isinstance(a, dict) and isinstance(b, dict):
-            return all(same(a[k], b[k]) for k in a.keys() & b.keys())
+            return all(same(a[k], b[k], path + (k,)) for k in a.keys() & b.keys()) and \
+                all(at_default(b[k], path + (k,)) for k in b.keys() - a.keys())
         return a == b
 
     strip = lambda c: {k: v for k, v in c.items() if k not in NOT_RUN_KEYS}  # noqa: E731
-    return same(strip(stored), strip(current))
+    return same(strip(stored), strip(current), ())
 
 
 def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
@@ -125,7 +154,7 @@ def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         return None
     job = copy.deepcopy(cfg)
     expand_user_paths(job)  # the stored config has its paths made absolute, as the run saw them
-    return stored if _same_run(stored.get("config", {}), to_container(job)) else None
+    return stored if _same_run(stored.get("config", {}), to_container(job), job) else None
 
 
 def _write_json(path: Path, obj: dict) -> None:

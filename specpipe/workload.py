@@ -8,7 +8,7 @@ from typing import Optional
 from specpipe.chat_template import CHAT_FIELDS, check_chat_options, check_messages
 from specpipe.stop_strings import check_stop
 from specpipe.errors import InputError
-from specpipe.schema import SAMPLING_RULES, is_int, sampling_problem
+from specpipe.schema import GREEDY_TEMPERATURE, SAMPLING_RULES, is_int, sampling_problem
 
 # "heldout" (code contexts from stdlib files the shipped pair never trained on) lives in
 # assets/prompts/heldout.jsonl, written by scripts/make_heldout_prompts.py
@@ -63,9 +63,12 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, or a test of the prompt'
     "max_length": ((None,), 'use "max_new_tokens" (HF\'s max_length counts the prompt too)'),
     "n_predict": ((None,), 'use "max_new_tokens"'),
     "num_predict": ((None,), 'use "max_new_tokens"'),
-    "do_sample": (lambda d: d["do_sample"] is None or (isinstance(d["do_sample"], bool) and _real(
-        d.get("temperature")) and d["do_sample"] == (d["temperature"] > 0)),
-                  'use "temperature" (0 is greedy); do_sample is accepted only beside a temperature it agrees with'),
+    "max_new_length": ((None,), 'use "max_new_tokens"'),
+    # without its own temperature, the run's decides (make_requests checks it); a temperature that is not a
+    # number is that field's error
+    "do_sample": (lambda d: d["do_sample"] is None or (isinstance(d["do_sample"], bool) and (
+        not _real(d.get("temperature")) or d["do_sample"] == (d["temperature"] >= GREEDY_TEMPERATURE))),
+                  'use "temperature" (0 is greedy); do_sample is accepted only where it agrees with the temperature'),
     "ignore_eos": ((False, None), "it is run-wide here: workload.ignore_eos=true"),
     "add_generation_prompt": ((True, None), "the chat template always gets add_generation_prompt=true"),
     "continue_final_message": ((False, None), "the chat template always gets add_generation_prompt=true"),
@@ -92,20 +95,29 @@ KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", *LIMIT_FIELDS, "stop
                 *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
 
 
-def near_miss(key) -> Optional[str]:
-    """The field of ours a key of a prompt's object looks like a typo of ("max_new_token", "temprature", "top-p"),
-    or None. Only noted, never refused: datasets carry columns of their own ("prompt_idx", "document", "n_tokens"),
-    which a typo test cannot tell from typos, and a prompt must not fail for its metadata."""
+def respelt(key) -> Optional[str]:
+    """The field of ours a key spells differently only in case, "-" or spaces ("Temperature", "top-p",
+    "MAX_TOKENS"), or None: no dataset column is named so, so such a key is refused, never ignored."""
+    if not isinstance(key, str) or key in KNOWN_FIELDS:
+        return None
+    spelt = key.lower().replace("-", "_").replace(" ", "_")
+    return spelt if spelt in KNOWN_FIELDS else None
+
+
+def near_miss(key, obj: dict) -> Optional[str]:
+    """The field of ours a key of a prompt's object looks like a typo of ("max_new_token", "temprature"), or None.
+    Only noted, never refused: datasets carry columns of their own ("prompt_idx", "n_tokens"), which a typo test
+    cannot tell from typos, and a prompt must not fail for its metadata. Only fields that would act on this prompt
+    are suggested (not another engine's, nor a chat's on a plain prompt)."""
     import difflib
 
     if not isinstance(key, str) or key in KNOWN_FIELDS or len(key) <= 4:
         return None
     spelt = key.lower().replace("-", "_").replace(" ", "_")
-    if spelt in KNOWN_FIELDS:
-        return spelt
     if spelt.endswith(("id", "idx", "uid", "_n", "num", "number", "count")):  # an identifier or a count of one
         return None
-    near = difflib.get_close_matches(spelt, KNOWN_FIELDS, n=1, cutoff=0.85)
+    useful = [f for f in KNOWN_FIELDS if f not in UNSUPPORTED_FIELDS and (f not in CHAT_FIELDS or "messages" in obj)]
+    near = difflib.get_close_matches(spelt, useful, n=1, cutoff=0.85)
     return near[0] if near else None
 
 
@@ -171,7 +183,13 @@ def _parse_prompt_line(obj, where) -> dict:
         return {"error": f'{n}: has both {given[0]!r} and {given[1]!r}; give one of "prompt", "prompt_ids" and '
                          f'"messages"', "prompt": ""}
     extra = {}  # what the request takes besides its prompt
-    typos = {k: near_miss(k) for k in obj if near_miss(k)}
+    respelt_key = next((k for k in obj if respelt(k)), None)
+    if respelt_key is not None:
+        return {"error": f'{n}: field "{respelt_key}" is not one specpipe reads, so it would be ignored; write it '
+                         f'"{respelt(respelt_key)}"', "prompt": ""}
+    if isinstance(obj.get("do_sample"), bool) and obj.get("temperature") is None:
+        extra["do_sample"] = obj["do_sample"]  # the run's temperature decides whether it agrees (make_requests)
+    typos = {k: near_miss(k, obj) for k in obj if near_miss(k, obj)}
     if typos:  # noted for the run (`ignored_fields`), the prompt runs
         extra["ignored_fields"] = typos
     d = obj

@@ -564,16 +564,24 @@ def test_foreign_fields_fail_their_prompt_and_typos_are_noted(capsys):
                        {"prompt": "x", "do_sample": True}, {"prompt": "x", "add_generation_prompt": False},
                        {"prompt": "x", "ignore_eos": False, "stop_sequences": [], "add_generation_prompt": True,
                         "continue_final_message": False, "do_sample": False, "temperature": 0},
-                       {"prompt": "x", "max_new_token": 2, "top-p": 0.5},
+                       {"prompt": "x", "max_new_token": 2, "temprature": 0.5},
                        {"prompt": "x", "id": 7, "prompt_id": "a1", "prompt_idx": 3, "promptId": "b", "top": 1,
-                        "question_id": 4, "metadata": {"k": 1}}], max_new_tokens=3)
+                        "question_id": 4, "metadata": {"k": 1}, "n_tokens": 5, "document": "d"},
+                       {"prompt": "x", "Temperature": 1.5}, {"prompt": "x", "top-p": 0.5},
+                       {"prompt": "x", "max_new_length": 2}, {"prompt": "x", "do_sample": False}],
+                      max_new_tokens=3)
     assert 'field "stop_sequences"=["\\n"] is not supported per prompt' in out[0].error and 'use "stop"' in out[0].error
-    assert "workload.ignore_eos=true" in out[1].error and 'use "temperature"' in out[2].error
+    assert "workload.ignore_eos=true" in out[1].error and 'disagrees with the temperature 0' in out[2].error
     assert "add_generation_prompt=true" in out[3].error
-    assert [c.error for c in out[4:]] == [None, None, None]
+    assert [c.error for c in out[4:7]] == [None, None, None] and out[10].error is None  # do_sample agrees
     assert len(out[5].output_ids) == 3  # "max_new_token": 2 is not a setting here
     assert sp.metrics["ignored_prompt_fields"] == {"max_new_token": {"did_you_mean": "max_new_tokens", "prompts": 1},
-                                                   "top-p": {"did_you_mean": "top_p", "prompts": 1}}
+                                                   "temprature": {"did_you_mean": "temperature", "prompts": 1}}
+    assert 'field "Temperature" is not one specpipe reads, so it would be ignored; write it "temperature"' \
+        in out[7].error and 'write it "top_p"' in out[8].error and 'use "max_new_tokens"' in out[9].error
+    hot = sp.generate([{"prompt": "x", "do_sample": True}, {"prompt": "x", "do_sample": False}], max_new_tokens=2,
+                      temperature=0.8)  # without its own temperature, the call's decides
+    assert hot[0].error is None and 'field "do_sample"=false disagrees with the temperature 0.8' in hot[1].error
     err = capsys.readouterr().err
     assert err.count("prompt fields specpipe does not read were ignored") == 1 and '"max_new_token" in 1 prompt' in err
     sp.generate(["x"], max_new_tokens=2)

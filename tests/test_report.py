@@ -380,3 +380,11 @@ def test_a_failed_job_without_overrides_yaml_is_named_by_its_error_json(tmp_path
     assert "seed" not in table["2"] and "model" not in table["2"]  # the same in every job: not a column
     summary = failure_summary(sweep, since=float("-inf"))
     assert "  job 2 (draft.num_steps=0): invalid configuration: draft.num_steps=0" in summary
+
+
+def test_override_values_read_as_hydra_reads_them():
+    from specpipe.report import hydra_value
+
+    assert hydra_value("a", "010") == "010" and hydra_value("a", "0x10") == "0x10"  # YAML 1.1: 8 and 16
+    assert hydra_value("a", "1e3") == 1000.0 and hydra_value("a", "true") is True and hydra_value("a", "[1,2]") == [1, 2]
+    assert hydra_value("a", "compile(x") == "compile(x"  # unparsable: the text

@@ -166,7 +166,9 @@ def test_resume_matches_a_job_finished_before_an_upgrade_added_a_setting(tmp_pat
     older["retired_setting"] = 3  # and one an upgrade dropped
     (tmp_path / "metrics.json").write_text(json.dumps({"tokens_per_s": 5.0, "config": older}))
     assert finished_metrics(cfg, str(tmp_path))["tokens_per_s"] == 5.0
-    cfg.sampling.temperature = 0.5  # a setting both hold still tells runs apart
+    cfg.sampling.min_p = 0.1  # the added setting away from its default: not the run the older version made
+    assert finished_metrics(cfg, str(tmp_path)) is None
+    cfg.sampling.min_p, cfg.sampling.temperature = 0.0, 0.5  # a setting both hold still tells runs apart
     assert finished_metrics(cfg, str(tmp_path)) is None
 
 

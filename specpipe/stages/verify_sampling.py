@@ -65,7 +65,7 @@ def uniform_coins(seed: Tensor, counter: Tensor, cols: int, stream: int) -> Tens
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-GREEDY_TEMPERATURE = 1e-5  # temperatures below are greedy (vLLM's rule): logits / a subnormal overflow to inf
+from specpipe.schema import GREEDY_TEMPERATURE  # noqa: E402  (temperatures below it are greedy)
 
 
 def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
