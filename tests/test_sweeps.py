@@ -245,13 +245,17 @@ def test_slurm_launcher_config_renders_an_sbatch_script(tmp_path, monkeypatch):
         assert f"#SBATCH {line}" in script
 
 
-@pytest.mark.slow
-def test_optuna_sweep_maximizes_tokens_per_s(tmp_path):
+def optuna_search(tmp_path, *overrides):
+    """(sweep dir, process) of `sweep=optuna_tree` with these overrides; skipped without the plugin."""
     if not has_plugin("hydra_optuna_sweeper"):
         pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
     sweep = tmp_path / "sweep"
-    p = specpipe("sweep=optuna_tree", "hydra.sweeper.n_trials=3", "latency_limit_ms=1000", *SMALL,
-                 f"hydra.sweep.dir={sweep}")
+    return sweep, specpipe("sweep=optuna_tree", *overrides, *SMALL, f"hydra.sweep.dir={sweep}")
+
+
+@pytest.mark.slow
+def test_optuna_sweep_maximizes_tokens_per_s(tmp_path):
+    sweep, p = optuna_search(tmp_path, "hydra.sweeper.n_trials=3", "latency_limit_ms=1000")
     assert p.returncode == 0, p.stderr
     best = (sweep / "optimization_results.yaml").read_text()
     assert "best_params" in best and "draft.num_draft_tokens" in best
@@ -283,11 +287,8 @@ def test_a_failed_job_scores_the_worst_value_for_optuna(direction, worst):
 
 @pytest.mark.slow
 def test_optuna_search_goes_on_past_failed_trials(tmp_path):
-    if not has_plugin("hydra_optuna_sweeper"):
-        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
-    sweep = tmp_path / "sweep"
-    p = specpipe("sweep=optuna_tree", "hydra.sweeper.n_trials=2", "allocator.num_slots=50", *SMALL,
-                 f"hydra.sweep.dir={sweep}")  # every trial fails: the pool is too small for any request
+    # every trial fails: the pool is too small for any request
+    sweep, p = optuna_search(tmp_path, "hydra.sweeper.n_trials=2", "allocator.num_slots=50")
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert "2 of 2 jobs failed" in p.stderr
     assert "best_value: -.inf" in (sweep / "optimization_results.yaml").read_text()
