@@ -444,7 +444,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     metrics = Metrics(cfg.draft.num_steps if spec else 1, cfg.draft.topk if spec else 1,
                       cfg.draft.num_draft_tokens if spec else 2)
     partial = None
-    try:  # from the timer's hooks on: whatever fails (Ctrl-C included) leaves no hook on the shared models
+    try:  # from the timer's hooks on: whatever fails (Ctrl-C included) leaves the shared models' hooks timing nothing
         if cfg.get("model_timing", True):
             metrics.attach_model_timer(models, device.synchronize)
         pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics, keep)

@@ -48,7 +48,9 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(str(path))
         self.pipeline = pipeline  # transformers_pipeline's rebuild, or None: the file as saved
-        if pipeline is not None:
+        # transformers' clean_up_tokenization on decoded text (tokenizer_config's clean_up_tokenization_spaces)
+        self.clean_up_spaces = pipeline is not None and pipeline[0] == "clean_up"
+        if pipeline is not None and not self.clean_up_spaces:
             rebuild_as(self._tok, pipeline)
         # a file saved with truncation or padding on would cut or pad every prompt: transformers' tokenizer(...)
         # does neither unless asked, and neither does specpipe
@@ -71,7 +73,8 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         # ids the library cannot take (negative, >= 2**32: an errored request's prompt_ids) decode to nothing, as
         # ids past the vocabulary do there, instead of raising OverflowError in the completions writer
-        return self._tok.decode([i for i in ids if 0 <= i < 2**32], skip_special_tokens=True)  # the library's u32
+        text = self._tok.decode([i for i in ids if 0 <= i < 2**32], skip_special_tokens=True)  # the library's u32
+        return clean_up_tokenization(text) if self.clean_up_spaces else text
 
     @cached_property
     def special_ids(self) -> frozenset:
@@ -92,9 +95,22 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+def clean_up_tokenization(text: str) -> str:
+    """transformers' `clean_up_tokenization` (what `decode` applies when tokenizer_config.json sets
+    `clean_up_tokenization_spaces: true` and the model is not BPE): no space before . ? ! , and contractions."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
+
+
+GPT2_CLASSES = ("GPT2Tokenizer", "CodeGenTokenizer")  # transformers 5 rebuilds both as plain byte-level BPE
+
+
 def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_type: Optional[str]) -> Optional[tuple]:
     """How transformers 5's AutoTokenizer rebuilds this folder's tokenizer, or None when it reads the
-    tokenizer.json as saved: ("metaspace", prepend_scheme) or ("qwen2", add_prefix_space).
+    tokenizer.json as saved: ("metaspace", prepend_scheme), ("qwen2", add_prefix_space) or ("gpt2",
+    add_prefix_space); ("clean_up", True): the file as saved, its decoded text cleaned up as transformers does.
 
     transformers 5 builds `LlamaTokenizer` and `Qwen2Tokenizer` folders anew from the file's vocabulary and
     merges, ignoring its normalizer, pre-tokenizer and decoder (and it treats every `model_type: qwen2`
@@ -106,18 +122,25 @@ def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_typ
       A byte-level file under that class (Llama-3 vocabularies) is read as saved, as in transformers.
     - Qwen2Tokenizer: NFC, Qwen2's split (every digit alone) and byte-level bytes. Applied to byte-level
       files only: over a SentencePiece vocabulary transformers' rebuild yields ids the model never saw.
-    Mistral models keep the file, as in transformers."""
-    if model_type in MISTRAL_TYPES:
-        return None
+    - GPT2Tokenizer, CodeGenTokenizer (byte-level files): GPT-2's own split and byte-level bytes, with no
+      normalizer, so a file's Split regex (Llama-3 style), Digits or NFC step is not applied.
+    Mistral models keep the file, as in transformers.
+    `clean_up_tokenization_spaces: true` makes transformers' decode drop the space before . , ! ? and
+    contractions ("don 't" -> "don't") for every model but BPE (Unigram, WordPiece, WordLevel)."""
     try:
-        if json.loads(tokenizer_json).get("model", {}).get("type") != "BPE":
-            return None
+        model = json.loads(tokenizer_json).get("model", {}).get("type")
     except ValueError:
+        return None
+    if model != "BPE":
+        return ("clean_up", True) if model and tokenizer_config.get("clean_up_tokenization_spaces") else None
+    if model_type in MISTRAL_TYPES:
         return None
     cls = str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
     byte_level = '"ByteLevel"' in tokenizer_json
     if model_type == "qwen2" or cls == "Qwen2Tokenizer":
         return ("qwen2", bool(tokenizer_config.get("add_prefix_space") or False)) if byte_level else None
+    if cls in GPT2_CLASSES:
+        return ("gpt2", bool(tokenizer_config.get("add_prefix_space") or False)) if byte_level else None
     if cls != "LlamaTokenizer" or byte_level:
         return None
     if tokenizer_config.get("add_prefix_space") is False:
@@ -131,6 +154,11 @@ def rebuild_as(tok, pipeline: tuple) -> None:
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
     kind, option = pipeline
+    if kind == "gpt2":
+        tok.normalizer = None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=option)
+        tok.decoder = decoders.ByteLevel()
+        return
     if kind == "qwen2":
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([

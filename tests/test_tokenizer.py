@@ -326,3 +326,124 @@ def test_ids_above_the_token_count_still_decode(tmp_path):
     t.save(str(tmp_path / "gap.json"))
     tok = HFTokenizer(tmp_path / "gap.json")
     assert tok.decode([0, 1, 5]) == t.decode([0, 1, 5]) == "a b c" and tok.decode([-1, 5, 2**32]) == "c"
+
+
+CLEAN_UP_CORPUS = CORPUS + ["Don't go! I'm here, isn't it? They're sure.", "It 's a test , isn 't it ?"] * 20
+CLEAN_UP_TEXTS = ["Don 't , I 'm here . ok !", "isn 't it ? yes", "They 're 've 's n't", "a , b . c ! d ?", "The cat"]
+
+
+def non_bpe_style(path: Path, kind: str) -> None:
+    """A Unigram file (SentencePiece-like: Metaspace, </s> appended, T5/ALBERT style) or a WordPiece one (BERT
+    style): models transformers' clean_up_tokenization applies to."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    if kind == "unigram":
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.NFKC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.train_from_iterator(CLEAN_UP_CORPUS, trainers.UnigramTrainer(
+            vocab_size=150, show_progress=False, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    else:
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        tok.train_from_iterator(CLEAN_UP_CORPUS, trainers.WordPieceTrainer(
+            vocab_size=200, show_progress=False, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"]))
+        tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                           special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(path))
+
+
+@pytest.mark.parametrize("kind", ["unigram", "wordpiece", "bpe"])
+@pytest.mark.parametrize("clean_up", [True, False, None])
+def test_clean_up_tokenization_spaces_decodes_as_transformers(tmp_path, kind, clean_up):
+    """tokenizer_config.json's `clean_up_tokenization_spaces: true` makes transformers' decode drop the space before
+    . , ! ? and in contractions ("don 't" -> "don't") for Unigram and WordPiece models (never for BPE): specpipe's
+    text kept "I 'm here ." where transformers gives "I'm here.". A request's output text follows it."""
+    from transformers import AutoTokenizer
+
+    from specpipe.models.hf import load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    if kind == "bpe":
+        llama2_style(tmp_path / "tokenizer.json")
+    else:
+        non_bpe_style(tmp_path / "tokenizer.json", kind)
+    conf = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if clean_up is not None:
+        conf["clean_up_tokenization_spaces"] = clean_up
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8)
+    mine = load_tokenizer(tmp_path, cfg, raw)
+    for text in CLEAN_UP_TEXTS:
+        ids = hf(text)["input_ids"]
+        assert mine.encode(text) == ids, text
+        assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    ids = hf("Don 't , I 'm here . ok ! isn 't it ?")["input_ids"]
+    raw_text = hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    cleaned = (hf.decode(ids, skip_special_tokens=True) != raw_text)
+    assert cleaned == (bool(clean_up) and kind != "bpe")  # the case is one where it matters
+
+    prompt = hf("the cat", add_special_tokens=False)["input_ids"]
+    whole = hf("the cat said i 'm here . ok !", add_special_tokens=False)["input_ids"]
+    assert whole[:len(prompt)] == prompt
+    out = whole[len(prompt):]
+    want = hf.decode(whole, skip_special_tokens=True)[len(hf.decode(prompt, skip_special_tokens=True)):]
+    assert output_text(mine, prompt, out) == want
+
+
+LLAMA3_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+@pytest.mark.parametrize("tokenizer_class,add_prefix_space", [
+    ("GPT2Tokenizer", None), ("GPT2TokenizerFast", True), ("CodeGenTokenizer", False)])
+def test_gpt2_class_folders_encode_as_transformers(tmp_path, tokenizer_class, add_prefix_space):
+    """transformers 5 rebuilds a GPT2Tokenizer / CodeGenTokenizer folder as plain GPT-2 byte-level BPE: a
+    Llama-3-style file's own Split regex (which keeps "(hello" and "'S" whole) is not applied, and
+    `add_prefix_space` puts a space before the text. specpipe read the file as saved: "(hello)" and "HELLO'S"
+    got other ids, and with add_prefix_space every prompt did."""
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors,
+                            trainers)
+    from transformers import AutoTokenizer
+
+    from specpipe.models.hf import load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    corpus = CORPUS + ["(hello) _cat [world] HELLO'S THEY'RE", "x=(cat+mat)/2; In 2024 there were 10 cats."] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=330, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|bos|>", "<|eos|>")])
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 330)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    conf = {"tokenizer_class": tokenizer_class, "bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+    if add_prefix_space is not None:
+        conf["add_prefix_space"] = add_prefix_space
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8, bos_token_id=330)
+    mine = load_tokenizer(tmp_path, cfg, raw)
+    texts = ["(hello)", "HELLO'S", "x=(cat+mat)/2", "The cat sat", " two  spaces\n\n", "In 2024, 12345 cats",
+             "东京 😀 é\u0301", "<|bos|>hi<|eos|>", ""]
+    for text in texts:
+        ids = hf(text)["input_ids"]
+        assert mine.encode(text) == ids, text
+        assert mine.encode_plain(text) == hf(text, add_special_tokens=False)["input_ids"], text
+        assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    as_saved = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert any(as_saved.encode(t).ids != hf(t)["input_ids"] for t in texts)  # the case is one where it matters
