@@ -357,17 +357,28 @@ def non_bpe_style(path: Path, kind: str) -> None:
     tok.save(str(path))
 
 
+def hf_and_ours(folder, tokenizer_config: dict, bos_token_id=None):
+    """transformers' AutoTokenizer and specpipe's tokenizer for a Llama folder holding tokenizer.json and this
+    tokenizer_config.json."""
+    from transformers import AutoTokenizer
+
+    from specpipe.models.hf import load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    (folder / "config.json").write_text(json.dumps(raw))
+    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8, bos_token_id=bos_token_id)
+    return AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(folder, cfg, raw)
+
+
 @pytest.mark.parametrize("kind", ["unigram", "wordpiece", "bpe"])
 @pytest.mark.parametrize("clean_up", [True, False, None])
 def test_clean_up_tokenization_spaces_decodes_as_transformers(tmp_path, kind, clean_up):
     """tokenizer_config.json's `clean_up_tokenization_spaces: true` makes transformers' decode drop the space before
     . , ! ? and in contractions ("don 't" -> "don't") for Unigram and WordPiece models (never for BPE): specpipe's
     text kept "I 'm here ." where transformers gives "I'm here.". A request's output text follows it."""
-    from transformers import AutoTokenizer
-
-    from specpipe.models.hf import load_tokenizer
-    from specpipe.models.llama import LlamaConfig
-
     if kind == "bpe":
         llama2_style(tmp_path / "tokenizer.json")
     else:
@@ -375,13 +386,7 @@ def test_clean_up_tokenization_spaces_decodes_as_transformers(tmp_path, kind, cl
     conf = {"tokenizer_class": "PreTrainedTokenizerFast"}
     if clean_up is not None:
         conf["clean_up_tokenization_spaces"] = clean_up
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
-    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    hf = AutoTokenizer.from_pretrained(str(tmp_path))
-    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-                      num_key_value_heads=1, intermediate_size=8)
-    mine = load_tokenizer(tmp_path, cfg, raw)
+    hf, mine = hf_and_ours(tmp_path, conf)
     for text in CLEAN_UP_TEXTS:
         ids = hf(text)["input_ids"]
         assert mine.encode(text) == ids, text
@@ -424,10 +429,6 @@ def test_gpt2_class_folders_encode_as_transformers(tmp_path, tokenizer_class, ad
     got other ids, and with add_prefix_space every prompt did."""
     from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors,
                             trainers)
-    from transformers import AutoTokenizer
-
-    from specpipe.models.hf import load_tokenizer
-    from specpipe.models.llama import LlamaConfig
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -443,13 +444,7 @@ def test_gpt2_class_folders_encode_as_transformers(tmp_path, tokenizer_class, ad
     conf = {"tokenizer_class": tokenizer_class, "bos_token": "<|bos|>", "eos_token": "<|eos|>"}
     if add_prefix_space is not None:
         conf["add_prefix_space"] = add_prefix_space
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
-    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    hf = AutoTokenizer.from_pretrained(str(tmp_path))
-    cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
-                      num_key_value_heads=1, intermediate_size=8, bos_token_id=330)
-    mine = load_tokenizer(tmp_path, cfg, raw)
+    hf, mine = hf_and_ours(tmp_path, conf, bos_token_id=330)
     texts = ["(hello)", "HELLO'S", "x=(cat+mat)/2", "The cat sat", " two  spaces\n\n", "In 2024, 12345 cats",
              "东京 😀 é\u0301", "<|bos|>hi<|eos|>", ""]
     for text in texts:
