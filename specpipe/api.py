@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import queue
-import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -40,9 +39,6 @@ class StreamEvent:
     logprobs: Optional[list] = None  # logprobs=True: the raw target log-probabilities of token_ids
 
 
-_CLEANUP_TAIL = re.compile(r" (|'|n|n'|'v|'r)$")  # the start of a pattern transformers' clean-up rewrites
-
-
 class _Deltas:
     """Turns requests' growing outputs into StreamEvents with text decoded incrementally: each event decodes
     only a window from the last emitted character boundary (vLLM/TGI's prefix/read offsets), so streaming a
@@ -54,10 +50,6 @@ class _Deltas:
 
     def __init__(self, decode, sink):
         self.decode, self.sink = decode, sink
-        # a tokenizer with clean_up_tokenization_spaces rewrites " ." as "." and " 'm" as "'m" once the next
-        # characters come: text ending in what could start such a pattern waits for them (else the space sent
-        # would be wrong, and the deltas would not add up to the completion's text)
-        self.cleans = bool(getattr(getattr(decode, "__self__", None), "clean_up_spaces", False))
         # index -> [output ids sent, prefix offset, read offset, characters sent, prompt context]; the offsets
         # index context + output, so the first tokens decode as they read after the prompt (`decode_after`)
         self.state: dict[int, list] = {}
@@ -99,7 +91,7 @@ class _Deltas:
         after = self.decode(part(prefix, end))
         # the first text: a character the prompt leaves unfinished stays the prompt's unless completed
         start = own_start(before, self.decode(part(prefix, c)), after) if read < c else len(before)
-        if len(after) <= start or after.endswith("\ufffd") or (self.cleans and _CLEANUP_TAIL.search(after)):
+        if len(after) <= start or after.endswith("\ufffd"):
             return ""
         st[1], st[2] = read, end
         delta = after[start:]

@@ -48,9 +48,7 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(str(path))
         self.pipeline = pipeline  # transformers_pipeline's rebuild, or None: the file as saved
-        # transformers' clean_up_tokenization on decoded text (tokenizer_config's clean_up_tokenization_spaces)
-        self.clean_up_spaces = pipeline is not None and pipeline[0] == "clean_up"
-        if pipeline is not None and not self.clean_up_spaces:
+        if pipeline is not None:
             rebuild_as(self._tok, pipeline)
         # a file saved with truncation or padding on would cut or pad every prompt: transformers' tokenizer(...)
         # does neither unless asked, and neither does specpipe
@@ -73,8 +71,7 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         # ids the library cannot take (negative, >= 2**32: an errored request's prompt_ids) decode to nothing, as
         # ids past the vocabulary do there, instead of raising OverflowError in the completions writer
-        text = self._tok.decode([i for i in ids if 0 <= i < 2**32], skip_special_tokens=True)  # the library's u32
-        return clean_up_tokenization(text) if self.clean_up_spaces else text
+        return self._tok.decode([i for i in ids if 0 <= i < 2**32], skip_special_tokens=True)  # the library's u32
 
     @cached_property
     def special_ids(self) -> frozenset:
@@ -95,22 +92,13 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def clean_up_tokenization(text: str) -> str:
-    """transformers' `clean_up_tokenization` (what `decode` applies when tokenizer_config.json sets
-    `clean_up_tokenization_spaces: true` and the model is not BPE): no space before . ? ! , and contractions."""
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
-                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-        text = text.replace(a, b)
-    return text
-
-
 GPT2_CLASSES = ("GPT2Tokenizer", "CodeGenTokenizer")  # transformers 5 rebuilds both as plain byte-level BPE
 
 
 def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_type: Optional[str]) -> Optional[tuple]:
     """How transformers 5's AutoTokenizer rebuilds this folder's tokenizer, or None when it reads the
     tokenizer.json as saved: ("metaspace", prepend_scheme), ("qwen2", add_prefix_space) or ("gpt2",
-    add_prefix_space); ("clean_up", True): the file as saved, its decoded text cleaned up as transformers does.
+    add_prefix_space).
 
     transformers 5 builds `LlamaTokenizer` and `Qwen2Tokenizer` folders anew from the file's vocabulary and
     merges, ignoring its normalizer, pre-tokenizer and decoder (and it treats every `model_type: qwen2`
@@ -125,14 +113,16 @@ def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_typ
     - GPT2Tokenizer, CodeGenTokenizer (byte-level files): GPT-2's own split and byte-level bytes, with no
       normalizer, so a file's Split regex (Llama-3 style), Digits or NFC step is not applied.
     Mistral models keep the file, as in transformers.
-    `clean_up_tokenization_spaces: true` makes transformers' decode drop the space before . , ! ? and
-    contractions ("don 't" -> "don't") for every model but BPE (Unigram, WordPiece, WordLevel)."""
+    Not followed: `clean_up_tokenization_spaces: true`, with which transformers' decode of a Unigram, WordPiece
+    or WordLevel model drops the space before . , ! ? and in contractions ("don 't" -> "don't"). That rewrite
+    reaches across the prompt's end and across streamed text already sent (a prompt ending in "'" lost it, the
+    deltas stopped adding up), so decoded text stays the tokenizer's own."""
     try:
         model = json.loads(tokenizer_json).get("model", {}).get("type")
     except ValueError:
         return None
     if model != "BPE":
-        return ("clean_up", True) if model and tokenizer_config.get("clean_up_tokenization_spaces") else None
+        return None
     if model_type in MISTRAL_TYPES:
         return None
     cls = str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")

@@ -97,11 +97,12 @@ KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", *LIMIT_FIELDS, "stop
 
 def respelt(key) -> Optional[str]:
     """The field of ours a key spells differently only in case, "-" or spaces ("Temperature", "top-p",
-    "MAX_TOKENS"), or None: no dataset column is named so, so such a key is refused, never ignored."""
+    "MAX_TOKENS"), or None: no dataset column is named so, so such a key is refused, never ignored. Fields we
+    take from other engines only to refuse them are left out ("N" is a count column, not "n")."""
     if not isinstance(key, str) or key in KNOWN_FIELDS:
         return None
     spelt = key.lower().replace("-", "_").replace(" ", "_")
-    return spelt if spelt in KNOWN_FIELDS else None
+    return spelt if spelt in KNOWN_FIELDS and spelt not in UNSUPPORTED_FIELDS else None
 
 
 def near_miss(key, obj: dict) -> Optional[str]:

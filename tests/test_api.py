@@ -568,12 +568,13 @@ def test_foreign_fields_fail_their_prompt_and_typos_are_noted(capsys):
                        {"prompt": "x", "id": 7, "prompt_id": "a1", "prompt_idx": 3, "promptId": "b", "top": 1,
                         "question_id": 4, "metadata": {"k": 1}, "n_tokens": 5, "document": "d"},
                        {"prompt": "x", "Temperature": 1.5}, {"prompt": "x", "top-p": 0.5},
-                       {"prompt": "x", "max_new_length": 2}, {"prompt": "x", "do_sample": False}],
-                      max_new_tokens=3)
+                       {"prompt": "x", "max_new_length": 2}, {"prompt": "x", "do_sample": False},
+                       {"prompt": "x", "N": 5, "Logprobs": None}], max_new_tokens=3)
     assert 'field "stop_sequences"=["\\n"] is not supported per prompt' in out[0].error and 'use "stop"' in out[0].error
     assert "workload.ignore_eos=true" in out[1].error and 'disagrees with the temperature 0' in out[2].error
     assert "add_generation_prompt=true" in out[3].error
     assert [c.error for c in out[4:7]] == [None, None, None] and out[10].error is None  # do_sample agrees
+    assert out[11].error is None  # a count column "N" is not OpenAI's "n"
     assert len(out[5].output_ids) == 3  # "max_new_token": 2 is not a setting here
     assert sp.metrics["ignored_prompt_fields"] == {"max_new_token": {"did_you_mean": "max_new_tokens", "prompts": 1},
                                                    "temprature": {"did_you_mean": "temperature", "prompts": 1}}
