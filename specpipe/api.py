@@ -103,7 +103,6 @@ class _Cancelled(Exception):
     pass
 
 
-SAMPLING_ARGS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 _REENTRY = ("specpipe: generate() was called while this thread is already decoding (from an on_event callback); "
             "collect what the callback needs and call generate() after the running call returns")
 
@@ -434,10 +433,12 @@ class SpecPipe:
         temperature / top_p / top_k / repetition_penalty / min_p). Arguments are checked here, before the
         stream starts (SpecpipeError). Decoding runs in a worker thread; closing the stream (`close()`, a `with`
         block, or the end of a `for` loop over an unnamed stream) stops it at the next step."""
-        unknown = sorted(set(sampling) - set(SAMPLING_ARGS))
+        from specpipe.schema import SAMPLING_RULES  # a call's sampling arguments: the settings a prompt may set
+
+        unknown = sorted(set(sampling) - set(SAMPLING_RULES))
         if unknown:
             raise SpecpipeError(f"specpipe: stream() got an unknown argument {unknown[0]!r} (valid: prompts, "
-                                f"max_new_tokens, stop, out_dir, logprobs, seed, {', '.join(SAMPLING_ARGS)}; events "
+                                f"max_new_tokens, stop, out_dir, logprobs, seed, {', '.join(SAMPLING_RULES)}; events "
                                 f"come from iterating the stream, so there is no on_event)")
         cfg, items, out_dir = self._prepare(prompts, max_new_tokens, stop, out_dir, logprobs, seed, sampling)
         return Stream(lambda sink, cancelled: self._decode(cfg, items, out_dir, sink, cancelled))

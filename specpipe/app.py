@@ -76,11 +76,10 @@ def unapplied_policies(cfg: DictConfig, asked: set) -> list[str]:
            for branch, value in branches.items()
            if not isinstance(value, bool) and str(value).strip() != "eager" and f"{stage}.{branch}" not in asked]
     if out:
-        d = cfg.draft
-        name = "suffix" if d.method == "ngram" and (d.get("cache_tokens", 0) > 0 or d.get("running_tokens", 0) > 0) \
-            else d.method  # (the summary's title names it so too)
-        print(f"specpipe: note: {', '.join(out)}: no branch of this run (draft={name}) reads it, so it "
-              f"compiles nothing (the run's branches: {', '.join(sorted(asked)) or 'none, plain decoding'})",
+        from specpipe.report_console import drafter_name
+
+        print(f"specpipe: note: {', '.join(out)}: no branch of this run (draft={drafter_name(cfg.draft)}) reads "
+              f"it, so it compiles nothing (the run's branches: {', '.join(sorted(asked)) or 'none, plain decoding'})",
               file=sys.stderr)
     return out
 

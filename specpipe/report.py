@@ -23,7 +23,8 @@ from typing import Optional
 
 import yaml
 
-from specpipe.sweep import NOT_RUN_KEYS, is_number, metrics_problem, objective, read_json_object
+from specpipe.schema import is_number
+from specpipe.sweep import NOT_RUN_KEYS, metrics_problem, objective, read_json_object
 
 METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_verify_steps", "recompiles", "wall_s")
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}

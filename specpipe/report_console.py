@@ -19,14 +19,19 @@ def sampling_text(sp: Optional[dict]) -> str:
     return text + (f"; {sp['per_request']} request(s) with their own" if sp.get("per_request") else "")
 
 
+def drafter_name(d) -> str:
+    """The drafter as the user chose it: draft=suffix is the n-gram drafter with a cross-request cache."""
+    cross = d.get("cache_tokens", 0) > 0 or d.get("running_tokens", 0) > 0
+    return "suffix" if d["method"] == "ngram" and cross else d["method"]
+
+
 def print_summary(m: dict, out_dir: Optional[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     c = m["config"]
     d = c["draft"]
-    cross = d.get("cache_tokens", 0) > 0 or d.get("running_tokens", 0) > 0
-    name = "suffix" if d["method"] == "ngram" and cross else d["method"]
+    name = drafter_name(d)
     shape = "draft=none" if d["method"] == "none" else \
         f"draft={name} topk={d['topk']} steps={d['num_steps']} tokens={d['num_draft_tokens']}"
     t = Table(title=f"specpipe: {shape}, allocator={c['allocator']['_target_'].rsplit('.', 1)[-1]}")

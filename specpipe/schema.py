@@ -239,6 +239,11 @@ def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def is_number(v) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def sampling_problem(key: str, v) -> Optional[str]:
     """Why `v` is not a usable `key` ("must be a number >= 0 (0 is greedy)", ...), or None."""
     integer, ok, words = SAMPLING_RULES[key]

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from specpipe.schema import is_number
 from specpipe.validate import expand_user_paths, to_container
 
 COLLIDED: list = []  # this process's sweep: why each job that found its folder taken was skipped
@@ -68,10 +69,6 @@ def read_json_object(path: Path) -> tuple[Optional[dict], Optional[str]]:
     if not isinstance(value, dict):
         return None, f"{path.name} is not a JSON object (it holds {_kind(value)})"
     return value, None
-
-
-def is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def metrics_problem(m: dict, keys=("tokens_per_s", "step_latency_ms_p90")) -> Optional[str]:

@@ -8,7 +8,7 @@ from typing import Optional
 from specpipe.chat_template import CHAT_FIELDS, check_chat_options, check_messages
 from specpipe.stop_strings import check_stop
 from specpipe.errors import InputError
-from specpipe.schema import GREEDY_TEMPERATURE, SAMPLING_RULES, is_int, sampling_problem
+from specpipe.schema import GREEDY_TEMPERATURE, SAMPLING_RULES, is_int, is_number, sampling_problem
 
 # "heldout" (code contexts from stdlib files the shipped pair never trained on) lives in
 # assets/prompts/heldout.jsonl, written by scripts/make_heldout_prompts.py
@@ -67,16 +67,12 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, or a test of the prompt'
     # without its own temperature, the run's decides (make_requests checks it); a temperature that is not a
     # number is that field's error
     "do_sample": (lambda d: d["do_sample"] is None or (isinstance(d["do_sample"], bool) and (
-        not _real(d.get("temperature")) or d["do_sample"] == (d["temperature"] >= GREEDY_TEMPERATURE))),
+        not is_number(d.get("temperature")) or d["do_sample"] == (d["temperature"] >= GREEDY_TEMPERATURE))),
                   'use "temperature" (0 is greedy); do_sample is accepted only where it agrees with the temperature'),
     "ignore_eos": ((False, None), "it is run-wide here: workload.ignore_eos=true"),
     "add_generation_prompt": ((True, None), "the chat template always gets add_generation_prompt=true"),
     "continue_final_message": ((False, None), "the chat template always gets add_generation_prompt=true"),
 }
-
-
-def _real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def unsupported_field(obj: dict) -> Optional[str]:
@@ -95,13 +91,17 @@ KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", *LIMIT_FIELDS, "stop
                 *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
 
 
+def _spelt(key: str) -> str:
+    return key.lower().replace("-", "_").replace(" ", "_")
+
+
 def respelt(key) -> Optional[str]:
     """The field of ours a key spells differently only in case, "-" or spaces ("Temperature", "top-p",
     "MAX_TOKENS"), or None: no dataset column is named so, so such a key is refused, never ignored. Fields we
     take from other engines only to refuse them are left out ("N" is a count column, not "n")."""
     if not isinstance(key, str) or key in KNOWN_FIELDS:
         return None
-    spelt = key.lower().replace("-", "_").replace(" ", "_")
+    spelt = _spelt(key)
     return spelt if spelt in KNOWN_FIELDS and spelt not in UNSUPPORTED_FIELDS else None
 
 
@@ -114,7 +114,7 @@ def near_miss(key, obj: dict) -> Optional[str]:
 
     if not isinstance(key, str) or key in KNOWN_FIELDS or len(key) <= 4:
         return None
-    spelt = key.lower().replace("-", "_").replace(" ", "_")
+    spelt = _spelt(key)
     if spelt.endswith(("id", "idx", "uid", "_n", "num", "number", "count")):  # an identifier or a count of one
         return None
     useful = [f for f in KNOWN_FIELDS if f not in UNSUPPORTED_FIELDS and (f not in CHAT_FIELDS or "messages" in obj)]
@@ -190,7 +190,7 @@ def _parse_prompt_line(obj, where) -> dict:
                          f'"{respelt(respelt_key)}"', "prompt": ""}
     if isinstance(obj.get("do_sample"), bool) and obj.get("temperature") is None:
         extra["do_sample"] = obj["do_sample"]  # the run's temperature decides whether it agrees (make_requests)
-    typos = {k: near_miss(k, obj) for k in obj if near_miss(k, obj)}
+    typos = {k: like for k, like in ((k, near_miss(k, obj)) for k in obj) if like}
     if typos:  # noted for the run (`ignored_fields`), the prompt runs
         extra["ignored_fields"] = typos
     d = obj

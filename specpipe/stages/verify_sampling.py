@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from specpipe.schema import GREEDY_TEMPERATURE  # temperatures below it are greedy (re-exported here)
 from specpipe.stages.base import Stage, branch
 
 STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT = 1, 2, 3
@@ -65,7 +66,6 @@ def uniform_coins(seed: Tensor, counter: Tensor, cols: int, stream: int) -> Tens
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
-from specpipe.schema import GREEDY_TEMPERATURE  # noqa: E402  (temperatures below it are greedy)
 
 
 def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
