@@ -69,8 +69,8 @@ def test_a_compiled_model_forward_is_reused_by_later_api_calls():
     forward, and after Dynamo's recompile limit of 8 the branch quietly ran eager."""
     from specpipe import SpecPipe
 
-    sp = SpecPipe("model=random_tiny", "device.num_threads=1", f"compile.verify.target_forward={AOT}",
-                  f"compile.draft_forward.decode={AOT}")
+    sp = SpecPipe("model=random_tiny", "device.num_threads=1", "device.weight_layout=row",  # auto re-times it per run
+                  f"compile.verify.target_forward={AOT}", f"compile.draft_forward.decode={AOT}")
     first = sp.generate(["def f(x):", "abc"], max_new_tokens=6, seed=0)
     assert sp.metrics["recompiles"] >= 1
     for _ in range(3):
@@ -89,9 +89,11 @@ def test_a_plain_compile_of_a_model_forward_serves_other_lengths_without_recompi
     plain = "'compile(backend=aot_eager)'"
     calls = [([text(n) for n in (5, 9, 30, 12, 7, 3)], 24), ([text(n) for n in (120, 4, 60)], 40),
              ([text(n) for n in (2, 3, 90, 45, 17, 33, 8)], 30)]
-    eager = SpecPipe("model=random_tiny", "device.num_threads=1", "workload.batch_size=4")  # (the same model)
+    # one weight layout: auto re-times it per run, and a compiled forward recompiles for another one's strides
+    base = ("model=random_tiny", "device.num_threads=1", "device.weight_layout=row", "workload.batch_size=4")
+    eager = SpecPipe(*base)  # (the same model)
     want = [[c.output_ids for c in eager.generate(p, max_new_tokens=n, seed=0)] for p, n in calls]
-    sp = SpecPipe("model=random_tiny", "device.num_threads=1", "workload.batch_size=4",
+    sp = SpecPipe(*base,
                   f"compile.verify.target_forward={plain}", f"compile.draft_forward.decode={plain}")
     for i, (prompts, new) in enumerate(calls):
         assert [c.output_ids for c in sp.generate(prompts, max_new_tokens=new, seed=0)] == want[i]
