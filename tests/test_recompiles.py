@@ -69,7 +69,7 @@ def test_a_compiled_model_forward_is_reused_by_later_api_calls():
     forward, and after Dynamo's recompile limit of 8 the branch quietly ran eager."""
     from specpipe import SpecPipe
 
-    sp = SpecPipe("model=random_tiny", "device.num_threads=1", "device.weight_layout=row",  # auto re-times it per run
+    sp = SpecPipe("model=random_tiny", "device.num_threads=1",  # weight_layout=auto: decided once per loaded model
                   f"compile.verify.target_forward={AOT}", f"compile.draft_forward.decode={AOT}")
     first = sp.generate(["def f(x):", "abc"], max_new_tokens=6, seed=0)
     assert sp.metrics["recompiles"] >= 1
@@ -89,8 +89,9 @@ def test_a_plain_compile_of_a_model_forward_serves_other_lengths_without_recompi
     plain = "'compile(backend=aot_eager)'"
     calls = [([text(n) for n in (5, 9, 30, 12, 7, 3)], 24), ([text(n) for n in (120, 4, 60)], 40),
              ([text(n) for n in (2, 3, 90, 45, 17, 33, 8)], 30)]
-    # one weight layout: auto re-times it per run, and a compiled forward recompiles for another one's strides
-    base = ("model=random_tiny", "device.num_threads=1", "device.weight_layout=row", "workload.batch_size=4")
+    # weight_layout=auto (the default) decides once per loaded model: the later calls' other verify row counts
+    # must not flip a weight's strides under the compiled forward
+    base = ("model=random_tiny", "device.num_threads=1", "workload.batch_size=4")
     eager = SpecPipe(*base)  # (the same model)
     want = [[c.output_ids for c in eager.generate(p, max_new_tokens=n, seed=0)] for p, n in calls]
     sp = SpecPipe(*base,

@@ -11,6 +11,10 @@ and keeps the faster one (`row` unless `column` wins by more than MARGIN); `row`
 one layout for every weight (reproducible numerics across runs; `auto` may pick differently on
 a noisy machine, and the two layouts round differently in the last bits).
 
+`auto` decides once per weight: a model kept across runs (sweeps, the Python API) keeps the layout
+its first auto run chose, though a later run's row counts differ. Flipping it would change the
+strides a compiled forward was specialised for and cost a recompile in every job that flips.
+
 Weights shared with an Embedding (tied lm_head) stay row-major: the embedding reads rows.
 The change is made in place (`param.data`), so parameters shared between modules stay shared.
 """
@@ -100,6 +104,7 @@ def measure(shape: tuple, rows: int, timer: Callable = time_linear) -> dict[str,
 
 
 _MEASURED: dict = {}  # (shape, rows, timer) -> seconds per layout: timed once per process (sweeps, tests)
+DECIDED = "_specpipe_auto_layout"  # on a Parameter: (layout, µs per layout) its first auto run chose
 
 
 def lay_out_weights(models: Iterable[Optional[nn.Module]], mode: str, rows: Sequence[int] = (1,),
@@ -113,7 +118,11 @@ def lay_out_weights(models: Iterable[Optional[nn.Module]], mode: str, rows: Sequ
     for shape, params in linear_weights(models).items():
         key = f"{shape[0]}x{shape[1]} {str(shape[2]).replace('torch.', '')}"
         entry = {"layout": mode, "count": len(params)}
-        if mode == "auto":
+        decided = next((getattr(p, DECIDED) for p in params if hasattr(p, DECIDED)), None)
+        if mode == "auto" and decided is not None:  # an earlier run's choice for this weight (or its shape)
+            entry["layout"], entry["us"] = decided[0], dict(decided[1])
+            entry["kept"] = True
+        elif mode == "auto":
             t = {"row": 0.0, "column": 0.0}
             for r in rows:  # summed over the decode loop's row counts
                 memo = (shape, r, timer)
@@ -125,6 +134,8 @@ def lay_out_weights(models: Iterable[Optional[nn.Module]], mode: str, rows: Sequ
         with torch.no_grad():
             for p in params:
                 p.data = as_layout(p.data, entry["layout"])
+                if mode == "auto":
+                    setattr(p, DECIDED, (entry["layout"], entry["us"]))
         report[key] = entry
     for model in (m for m in models if m is not None):  # fused projections: re-view their parts
         for mod in model.modules():
