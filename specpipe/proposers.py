@@ -200,12 +200,18 @@ class StandaloneProposer:
         self.S = drafter.S
         self.tree_stage = BuildTree(drafter.K, drafter.S, drafter.N)
         self.stages = [drafter, drafter.topk_stage, self.tree_stage]
+        self.windowed = any(getattr(m, "window", None) is not None for m in drafter.model.modules())
 
     def join(self, pipe, reqs, pf, first) -> None:
-        if pf.packed_for(self.sd.model):
-            self.sd.prefill(pf.ids.reshape(1, -1)[:, pf.flat], pf.packed)
+        """Draft KV over the prompts: packed when the target's prefill ran packed and the extend runs eager (a
+        compiled or graphed extend takes the padded form: one row per prompt, the decode rounds' batch kind)."""
+        extend, compiled = self.sd.extend, "extend" in getattr(self.sd, "wrapped", ())
+        if compiled and self.windowed:  # banded prefill loops over the prompt length: eager, see EagleProposer
+            extend, compiled = partial(type(self.sd).extend, self.sd), False
+        if pf.packed_for(self.sd.model) and not compiled:
+            extend(pf.ids.reshape(1, -1)[:, pf.flat], pf.packed)
         else:
-            self.sd.prefill(pf.ids, pf.batch)
+            extend(pf.ids, pf.batch)
 
     def keep(self, keep_t) -> None:
         pass

@@ -186,11 +186,19 @@ class DraftForwardPolicy:
 
 
 @dataclass
+class StandaloneDraftPolicy:  # draft=standalone's model forwards (its tree steps use draft_topk and build_tree)
+    root_logits: str = "eager"  # the root token of each round: B rows of one token
+    decode_logits: str = "eager"  # one tree step over B*K branch tokens
+    extend: str = "eager"  # draft KV for the prompts and each round's committed tokens
+
+
+@dataclass
 class CompileConf:
     draft_topk: DraftTopKPolicy = field(default_factory=DraftTopKPolicy)
     build_tree: BuildTreePolicy = field(default_factory=BuildTreePolicy)
     verify: VerifyPolicy = field(default_factory=VerifyPolicy)
     draft_forward: DraftForwardPolicy = field(default_factory=DraftForwardPolicy)
+    standalone_draft: StandaloneDraftPolicy = field(default_factory=StandaloneDraftPolicy)
 
 
 # ---- workload ---------------------------------------------------------------------------

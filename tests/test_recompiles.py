@@ -27,7 +27,10 @@ AOT_FULL = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
     ["compile=split", f"compile.draft_topk.later={AOT}", "draft.topk=1", "draft.num_draft_tokens=4"],  # K == 1
     [f"compile.verify.target_forward={AOT_FULL}", f"compile.draft_forward.decode={AOT_FULL}",
      f"compile.draft_forward.extend={AOT_FULL}"],  # model forwards (extend: packed prefills take the padded form)
-], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager"])
+    ["draft=standalone", "draft.topk=2", "draft.num_steps=3", "draft.num_draft_tokens=6",
+     f"compile.standalone_draft.root_logits={AOT_FULL}", f"compile.standalone_draft.decode_logits={AOT_FULL}",
+     f"compile.standalone_draft.extend={AOT_FULL}", f"compile.draft_topk.later={AOT}"],  # its own model forwards
+], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager", "standalone-aot_eager"])
 def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):
     rng = random.Random(0)
     path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])
@@ -61,6 +64,23 @@ def test_compiled_draft_extend_decodes_like_eager(prompts_file):
     # the plain word, inductor: automatic dynamic shapes made its codegen fail ("name 's27' is not defined")
     inductor = run(compose(*base, "compile.draft_forward.extend=compile"), quiet=True)["requests"]
     assert [r.output_ids for r in inductor] == [r.output_ids for r in eager]
+
+
+def test_a_compiled_standalone_draft_decodes_like_eager_and_names_no_unapplied_policy(prompts_file, capsys):
+    """draft=standalone's own model forwards had no policy keys: compile.standalone_draft.* was a config error."""
+    from specpipe.app import run
+
+    rng = random.Random(2)
+    path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS[:5]])
+    base = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", "workload.batch_size=3",
+            "workload.max_new_tokens=10", "draft=standalone", "draft.topk=2", "draft.num_steps=3",
+            "draft.num_draft_tokens=5"]
+    eager = run(compose(*base), quiet=True)["requests"]
+    out = run(compose(*base, *(f"compile.standalone_draft.{b}={AOT_FULL}"
+                               for b in ("root_logits", "decode_logits", "extend"))), quiet=True)
+    assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in eager]
+    assert out["metrics"]["recompiles"] >= 3 and "unapplied_compile_policies" not in out["metrics"]
+    assert "compiles nothing" not in capsys.readouterr().err
 
 
 def test_a_compiled_model_forward_is_reused_by_later_api_calls():
