@@ -135,8 +135,12 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
     if kind != "default" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0):
         what = "is missing" if factor is None else f"must be a positive number, got {factor!r}"
         raise CheckpointError(f"{file}: field '{key}.factor' {what} (required for rope_type {kind!r})")
-    if float(raw.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise CheckpointError(f"{file}: field 'partial_rotary_factor' must be 1.0 (partial RoPE is not supported)")
+    # null is absent, as in transformers (the top-level field wins over the RoPE dict's)
+    partial = _positive_number(raw, "partial_rotary_factor", file, None) or \
+        _positive_number(rp, "partial_rotary_factor", file, 1.0, f"{key}.partial_rotary_factor")
+    if partial != 1.0:
+        raise CheckpointError(f"{file}: field 'partial_rotary_factor' is {partial:g}; it must be 1.0 (partial RoPE, "
+                              f"rotating only part of each head, is not supported)")
     if kind in ("default", "dynamic"):  # dynamic NTK only rescales beyond max_position_embeddings, which
         return theta, None               # requests may not pass (make_requests): it is the default RoPE here
     scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
@@ -199,7 +203,9 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
                               f"num_attention_heads={heads} (grouped-query attention shares each KV head among "
                               f"a whole number of query heads)")
     hidden = _int_field(raw, "hidden_size", file)
-    head_dim = raw.get("head_dim") if raw.get("head_dim") is not None else hidden // heads
+    # transformers' defaults when config.json has none: Qwen3Config's head_dim is 128, the others derive it
+    head_dim = raw.get("head_dim") if raw.get("head_dim") is not None else 128 if family == "qwen3" else \
+        hidden // heads
     if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
         raise CheckpointError(f"{file}: field 'head_dim' (or hidden_size / num_attention_heads) is {head_dim!r}; "
                               f"RoPE needs a positive even head dimension")

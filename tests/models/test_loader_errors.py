@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -301,6 +302,28 @@ def test_parse_config_variants():
     assert not qwen.o_proj_bias and not qwen.qk_norm
     qwen3 = parse_config({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32}, f)
     assert qwen3.qk_norm and not qwen3.attention_bias and not qwen3.o_proj_bias and qwen3.head_dim == 32
+    # head_dim absent: Qwen3Config's default is 128 (not hidden / heads, which Llama, Mistral and Qwen2 use)
+    assert parse_config({**base, "architectures": ["Qwen3ForCausalLM"]}, f).head_dim == 128
+    assert parse_config({**base, "architectures": ["Qwen2ForCausalLM"]}, f).head_dim == \
+        base["hidden_size"] // base["num_attention_heads"]
+
+
+def test_partial_rotary_factor_null_is_absent_and_anything_but_one_is_refused(tmp_path):
+    """transformers loads `"partial_rotary_factor": null` as absent; specpipe called float() on it (a TypeError,
+    exit 1, Hydra's wrapper text) and on a string (ValueError)."""
+    f = tmp_path / "config.json"
+    base = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "architectures": ["LlamaForCausalLM"]}
+    for ok in (None, 1.0, 1):
+        assert parse_config({**base, "partial_rotary_factor": ok}, f).head_dim == 16
+        assert parse_config({**base, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": ok}}, f)
+    for bad, says in (("half", "must be a positive number, got 'half'"), ([1], "got [1]"), (0.5, "is 0.5"),
+                      (0, "must be a positive number, got 0")):
+        with pytest.raises(CheckpointError, match=re.escape(says)) as e:
+            parse_config({**base, "partial_rotary_factor": bad}, f)
+        assert "partial_rotary_factor" in str(e.value)
+    with pytest.raises(CheckpointError, match="rope_parameters.partial_rotary_factor"):
+        parse_config({**base, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": "x"}}, f)
 
 
 def test_load_tiny_assets():
