@@ -462,7 +462,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary = metrics.summary(wall, recompile_count() - compiles_before)
     summary["recompile_limit_hits"] = recompile_limit_hits() - limits_before
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
-    summary["kv_pool_slots"] = int(allocator.size)  # what num_slots=null resolved to
+    summary["kv_pool_slots"] = int(allocator.main_pool.size)  # what num_slots=null resolved to
     summary["kv_leaked_slots"] = leaked_slots(allocator)
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     sp = cfg.sampling

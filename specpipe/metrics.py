@@ -159,18 +159,21 @@ class Metrics:
         n = len(acc)
         drafted = int(np.count_nonzero(np.asarray(self.linked)))  # vLLM counts a draft only when one was proposed
         reached = [int((acc >= d).sum()) for d in range(0, S + 1)]
-        ranks = np.bincount(np.asarray(self.ranks, dtype=np.int64), minlength=self.topk) if self.ranks else \
-            np.zeros(self.topk, dtype=np.int64)
+        # depth 1 is conditioned on a round having drafted at all (an n-gram miss has no depth 1 to lose), deeper
+        # ones on the parent depth accepted
+        parents = [drafted, *reached[1:S]]
+        # a trie drafter (ngram, suffix) may give a node more than topk children: ranks past topk are kept
+        ranks = np.bincount(np.asarray(self.ranks, dtype=np.int64), minlength=self.topk)
         return {
             "accept_length_mean": float(acc.mean() + 1),
             "mean_acceptance_length": float(acc.sum() / drafted + 1) if drafted else None,  # vLLM's
             "accept_length_histogram": np.bincount(acc + 1, minlength=S + 2)[1:].tolist(),  # i: rounds committing i+1
             "acceptance_rate_per_position": [reached[d] / n for d in range(1, S + 1)],
             # P(depth d | depth d-1): null (no data) where no round reached depth d-1, not a rate of 0
-            "acceptance_rate_by_depth": [reached[d] / reached[d - 1] if reached[d - 1] else None
+            "acceptance_rate_by_depth": [reached[d] / parents[d - 1] if parents[d - 1] else None
                                          for d in range(1, S + 1)],
-            "acceptance_by_rank": (ranks / max(1, ranks.sum())).tolist(),
-            "draft_acceptance_rate": float(acc.sum() / max(1, sum(self.linked))),
+            "acceptance_by_rank": (ranks / ranks.sum()).tolist() if ranks.sum() else [],  # nothing accepted: no shares
+            "draft_acceptance_rate": float(acc.sum() / sum(self.linked)) if sum(self.linked) else None,
             "tree_budget_use": float(np.mean(self.linked) / max(1, self.num_draft_tokens - 1)),
             "num_drafts": drafted,
             "num_rounds": n,

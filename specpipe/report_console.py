@@ -56,7 +56,9 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
         t.add_row(k, v)
     sm, mm = m["stage_ms"], m["stage_model_ms"]
     label = "ms per round" if m["num_verify_steps"] else "ms in all"  # no round: totals
-    if mm is None:  # model_timing=false: stage times only
+    if not sm:  # no stage ran (every request failed before its prefill): no row of nothing
+        pass
+    elif mm is None:  # model_timing=false: stage times only
         t.add_row(label, ", ".join(f"{k} {v:.2f}" for k, v in sm.items()))
     else:
         t.add_row(f"{label} (model)", ", ".join(f"{k} {v:.2f} ({mm.get(k, 0.0):.2f})" for k, v in sm.items()))

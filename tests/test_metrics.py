@@ -48,6 +48,28 @@ def test_rounds_without_a_draft_count_for_the_speed_not_in_vllms_counters():
     assert s["draft_acceptance_rate"] == pytest.approx(3 / 9)
 
 
+def test_depth_one_is_conditioned_on_rounds_that_drafted():
+    """An n-gram miss (no node linked) has no depth 1 to lose: it counts in per-position (over rounds), not in
+    P(depth 1 accepted | a draft)."""
+    m = Metrics(num_steps=2, topk=1, num_draft_tokens=3)
+    m.record_round([1, 0, 0], [[0, 0], [0, 0], [0, 0]], [2, 2, 0])  # the third request found no match
+    s = m.summary(wall_s=1.0, recompiles=0)
+    assert s["acceptance_rate_per_position"] == pytest.approx([1 / 3, 0.0])
+    assert s["acceptance_rate_by_depth"] == pytest.approx([1 / 2, 0.0])
+
+
+def test_rounds_that_drafted_nothing_give_no_draft_rates_rather_than_zero():
+    """Every round an n-gram miss: 0 accepted of 0 drafted is no rate (it read 0.0, and rank shares [0, 0] that
+    summed to 0), while the rounds' own numbers (1 token each) stand."""
+    m = Metrics(num_steps=2, topk=2, num_draft_tokens=4)
+    m.record_round([0, 0], [[0, 0], [0, 0]], [0, 0])
+    s = m.summary(wall_s=1.0, recompiles=0)
+    assert s["accept_length_mean"] == 1.0 and s["num_rounds"] == 2 and s["num_drafts"] == 0
+    assert s["draft_acceptance_rate"] is None and s["mean_acceptance_length"] is None
+    assert s["acceptance_rate_by_depth"] == [None, None] and s["acceptance_by_rank"] == []
+    assert s["acceptance_rate_per_position"] == [0.0, 0.0]
+
+
 def test_nothing_drafted_gives_no_rates_rather_than_zero():
     m = Metrics(num_steps=3, topk=2, num_draft_tokens=6)
     s = m.summary(wall_s=1.0, recompiles=0)

@@ -33,6 +33,12 @@ def test_stage_times_without_model_timing_have_no_model_column(capsys):
     assert "ms per round" in out and "(model)" not in out and "verify 1.00" in out
 
 
+def test_a_run_in_which_no_stage_ran_prints_no_empty_stage_row(capsys):
+    m = metrics({"method": "none", "topk": 1, "num_steps": 1, "num_draft_tokens": 2})
+    print_summary({**m, "num_verify_steps": 0, "stage_ms": {}, "stage_model_ms": {}}, None)
+    assert "ms in all" not in capsys.readouterr().out
+
+
 def test_a_chunked_swa_prefill_is_noted_under_the_table(capsys):
     m = metrics({"method": "none", "topk": 1, "num_steps": 1, "num_draft_tokens": 2})
     print_summary({**m, "swa_chunked_prefills": 0, "swa_prefill_chunk_forwards": 0}, None)

@@ -53,6 +53,11 @@ def test_swa_greedy_is_lossless_and_evicts(path, layers, topk, ps):
     assert sum(LENGTHS) + sum(len(w) for w in want) > SWA_SLOTS  # without eviction the window pool overflows
     assert m["swa_window_peak_slots"] <= SWA_SLOTS
     assert m["kv_leaked_slots"] == 0 and m["kv_full_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
+    # kv_pool_slots / kv_peak_slots describe the full pool (they took the smaller pool's size and subtracted
+    # one pool's free count from the other's size: a peak that was neither pool's)
+    # the full pool keeps every token of a request: its peak holds the longest request whole
+    longest = max(n + len(w) for n, w in zip(LENGTHS, want))
+    assert m["kv_pool_slots"] > SWA_SLOTS and longest <= m["kv_peak_slots"] <= m["kv_pool_slots"]
 
 
 def test_swa_needs_a_sliding_model(path):

@@ -50,6 +50,11 @@ class KVAllocator:
     def available(self) -> int:
         return int(self.free_pages.numel()) * self.page_size
 
+    @property
+    def main_pool(self) -> "KVAllocator":
+        """The pool `kv_pool_slots` and `kv_peak_slots` describe (SWA: the full pool, not the window pool)."""
+        return self
+
     # ---- state -------------------------------------------------------------------------
     def clear(self) -> None:
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)

@@ -160,6 +160,12 @@ class SWAAllocator(PairedAllocator):
     def swa_available(self) -> int:
         return self.swa.available()
 
+    @property
+    def main_pool(self) -> PagedAllocator:
+        """The full pool: `size` and `available()` take the smaller of the two pools, and the window pool, freed as
+        tokens leave the window, has its own peak (`swa_window_peak_slots`)."""
+        return self.full
+
     # ---- alloc --------------------------------------------------------------------------
     def alloc(self, n: int) -> Optional[Tensor]:
         """n slots (a multiple of page_size) in both pools; returns the full ones ([n])."""

@@ -125,7 +125,8 @@ class PrepareDecode(Stage):
 
     def note_peak(self) -> None:
         """After a take from the pool (a reservation, or a draft round's scratch, which holds slots too)."""
-        self.peak_used = max(self.peak_used, self.alloc.size - self.alloc.available())
+        pool = self.alloc.main_pool
+        self.peak_used = max(self.peak_used, pool.size - pool.available())
         if self.window is not None:
             self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
 
