@@ -62,10 +62,13 @@ def make_wrap(cfg: DictConfig, device, metrics: Optional[Metrics] = None):
         parsed = parse_policy(policy)
         out = device.compile(fn, parsed, name=f"{stage}.{branch}")
         owner = getattr(fn, "__self__", None)
-        if metrics is not None and parsed.mode != "eager" and branch in getattr(owner, "model_branches", ()):
-            out = metrics.model_branch(out)
+        if parsed.mode != "eager" and branch in getattr(owner, "model_branches", ()):
+            wrap.compiled_model = wrap.compiled_model or out is not fn
+            if metrics is not None:
+                out = metrics.model_branch(out)
         return out
     wrap.asked = set()
+    wrap.compiled_model = False  # a branch running a model forward compiles (or graphs): its weights' strides stay
     return wrap
 
 
@@ -251,6 +254,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
                             d.num_steps, d.num_draft_tokens, wrap, sampling)
     pipe.logprobs = bool(cfg.workload.get("logprobs"))
     pipe.unapplied_policies = unapplied_policies(cfg, wrap.asked)
+    pipe.compiled_model = wrap.compiled_model
     return pipe
 
 
@@ -447,6 +451,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         if cfg.get("model_timing", True):
             metrics.attach_model_timer(models, device.synchronize)
         pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics, keep)
+        if pipe.compiled_model:
+            device.freeze_weight_layouts(models)  # later runs on these weights keep the strides compiled for
         compiles_before, limits_before = recompile_count(), recompile_limit_hits()
         partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
         if partial is not None:

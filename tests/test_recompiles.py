@@ -98,6 +98,26 @@ def test_a_compiled_model_forward_is_reused_by_later_api_calls():
         assert sp.metrics["recompiles"] == 0 and [c.output_ids for c in again] == [c.output_ids for c in first]
 
 
+def test_a_compiled_forward_keeps_its_weight_layout_when_a_later_call_favours_the_other(monkeypatch):
+    """weight_layout=auto chose per run from the row counts: a later call with another verify width flipped
+    weights to the other layout under the compiled forward, which recompiled it (in every sweep job that flipped)."""
+    from specpipe import SpecPipe
+    from specpipe.devices import weight_layout
+
+    def measure(shape, rows, timer=None):  # column for verifies of 2 requests, row for wider ones: a flip
+        fast = "column" if rows <= 2 * 8 else "row"
+        return {lay: 1.0 if lay == fast else 2.0 for lay in ("row", "column")}
+    monkeypatch.setattr(weight_layout, "measure", measure)
+    monkeypatch.setattr(weight_layout, "_MEASURED", {})
+    sp = SpecPipe("model=random_tiny", "device.num_threads=1", "model.seed=21",  # models no other test laid out
+                  f"compile.verify.target_forward={AOT}")
+    sp.generate(["def f(x):", "abc"], max_new_tokens=4, seed=0)  # 2 x 8 verify rows: column
+    assert all(e["layout"] == "column" for e in sp.metrics["weight_layout"].values())
+    sp.generate(["def f(x):", "abc", "xyz", "a = 1"], max_new_tokens=4, seed=0)  # 4 x 8 would favour row
+    assert all(e["layout"] == "column" and e["kept"] for e in sp.metrics["weight_layout"].values())
+    assert sp.metrics["recompiles"] == 0
+
+
 def test_a_plain_compile_of_a_model_forward_serves_other_lengths_without_recompiling():
     """`compile` without options on a model forward: automatic dynamic shapes specialized its prompt lengths, mask
     widths and KV pool size, so later calls with other prompts recompiled (and inductor failed outright on the

@@ -164,6 +164,12 @@ class Device:
             mode = "row"
         return lay_out_weights(models, mode, rows)
 
+    def freeze_weight_layouts(self, models) -> None:
+        """A model forward was compiled on these weights: later runs keep their layout (devices/weight_layout.py)."""
+        from specpipe.devices.weight_layout import freeze_layouts
+
+        freeze_layouts(models)
+
     # ---- compile policies ----------------------------------------------------------------
     def compile(self, fn: Callable, policy: BranchPolicy, name: Optional[str] = None) -> Callable:
         """Wrap one branch according to its policy; ConfigError when this device cannot run it."""

@@ -11,9 +11,10 @@ and keeps the faster one (`row` unless `column` wins by more than MARGIN); `row`
 one layout for every weight (reproducible numerics across runs; `auto` may pick differently on
 a noisy machine, and the two layouts round differently in the last bits).
 
-`auto` decides once per weight: a model kept across runs (sweeps, the Python API) keeps the layout
-its first auto run chose, though a later run's row counts differ. Flipping it would change the
-strides a compiled forward was specialised for and cost a recompile in every job that flips.
+Once a model forward has been compiled on a weight, `auto` keeps that weight's layout in later runs
+(sweeps, the Python API), though their row counts may favour the other: a flip would change the
+strides the compiled forward was specialised for and recompile it in every job that flips. Eager
+models are re-timed for each run's row counts (the timings themselves are cached per process).
 
 Weights shared with an Embedding (tied lm_head) stay row-major: the embedding reads rows.
 The change is made in place (`param.data`), so parameters shared between modules stay shared.
@@ -104,13 +105,22 @@ def measure(shape: tuple, rows: int, timer: Callable = time_linear) -> dict[str,
 
 
 _MEASURED: dict = {}  # (shape, rows, timer) -> seconds per layout: timed once per process (sweeps, tests)
-DECIDED = "_specpipe_auto_layout"  # on a Parameter: (layout, µs per layout) its first auto run chose
+DECIDED = "_specpipe_auto_layout"  # on a Parameter: (layout, µs per layout) auto chose when it was frozen
+
+
+def freeze_layouts(models: Iterable[Optional[nn.Module]]) -> None:
+    """A forward of these models was compiled: later `auto` runs keep each weight's present layout (a forced
+    `row` or `column` run leaves it, so the next `auto` run goes back to what the compiled graphs expect)."""
+    for params in linear_weights(models).values():
+        for p in params:
+            setattr(p, DECIDED, ("column" if is_column_major(p.data) else "row",))
 
 
 def lay_out_weights(models: Iterable[Optional[nn.Module]], mode: str, rows: Sequence[int] = (1,),
                     timer: Callable = time_linear) -> dict[str, dict]:
     """Apply `mode` ('auto' | 'row' | 'column') to every Linear weight of `models`; returns, per
-    shape "OUTxIN dtype", the layout kept and (auto) the measured µs per call of each layout."""
+    shape "OUTxIN dtype", the layout kept and (auto) the measured µs per call of each layout, or
+    `kept: true` where a compiled forward froze it (`freeze_layouts`)."""
     if mode not in LAYOUTS:
         raise ValueError(f"weight layout {mode!r} is not one of {', '.join(LAYOUTS)}")
     report = {}
@@ -119,9 +129,8 @@ def lay_out_weights(models: Iterable[Optional[nn.Module]], mode: str, rows: Sequ
         key = f"{shape[0]}x{shape[1]} {str(shape[2]).replace('torch.', '')}"
         entry = {"layout": mode, "count": len(params)}
         decided = next((getattr(p, DECIDED) for p in params if hasattr(p, DECIDED)), None)
-        if mode == "auto" and decided is not None:  # an earlier run's choice for this weight (or its shape)
-            entry["layout"], entry["us"] = decided[0], dict(decided[1])
-            entry["kept"] = True
+        if mode == "auto" and decided is not None:  # frozen by a compiled forward (this weight or its shape's)
+            entry["layout"], entry["kept"] = decided[0], True
         elif mode == "auto":
             t = {"row": 0.0, "column": 0.0}
             for r in rows:  # summed over the decode loop's row counts
@@ -134,8 +143,8 @@ def lay_out_weights(models: Iterable[Optional[nn.Module]], mode: str, rows: Sequ
         with torch.no_grad():
             for p in params:
                 p.data = as_layout(p.data, entry["layout"])
-                if mode == "auto":
-                    setattr(p, DECIDED, (entry["layout"], entry["us"]))
+                if decided is not None and mode == "auto":
+                    setattr(p, DECIDED, decided)  # a newly loaded weight of a frozen shape follows it
         report[key] = entry
     for model in (m for m in models if m is not None):  # fused projections: re-view their parts
         for mod in model.modules():

@@ -119,24 +119,31 @@ def test_run_applies_and_reports_the_layout():
     assert len(linear_weights([pair.target, pair.draft])) == len(layout)
 
 
-def test_auto_decides_once_per_weight_though_later_row_counts_prefer_the_other_layout():
-    """A model kept across runs (sweeps, the API) must keep its strides: a flip recompiles compiled forwards."""
+def test_auto_keeps_the_layout_a_compiled_forward_froze_though_later_row_counts_prefer_the_other():
+    """A compiled forward is specialised for its weights' strides: a flip recompiles it in every run that flips."""
+    from specpipe.devices.weight_layout import freeze_layouts
+
     model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
     calls = []
 
     def timer(weights, rows):  # column wins for few rows, row wins for many
-        w = weights[0]
         calls.append(rows)
-        return (1.0 if rows < 8 else 3.0) if is_column_major(w) else 2.0
+        return (1.0 if rows < 8 else 3.0) if is_column_major(weights[0]) else 2.0
     first = lay_out_weights([model], "auto", rows=(1, 4), timer=timer)
     assert first["16x8 float32"]["layout"] == "column" and "kept" not in first["16x8 float32"]
+    eager = lay_out_weights([model], "auto", rows=(1, 64), timer=timer)  # eager models: re-timed for these rows
+    assert eager["16x8 float32"]["layout"] == "row" and model[0].weight.is_contiguous()
+    lay_out_weights([model], "auto", rows=(1, 4), timer=timer)
+    freeze_layouts([model])  # a forward was compiled on the column-major weights
     n = len(calls)
     later = lay_out_weights([model], "auto", rows=(1, 64), timer=timer)
     assert len(calls) == n  # not timed again
     assert is_column_major(model[0].weight) and is_column_major(model[1].weight)
-    assert later["16x8 float32"] == {**first["16x8 float32"], "kept": True}
+    assert later["16x8 float32"] == {"layout": "column", "count": 1, "kept": True}
     lay_out_weights([model], "row", rows=(1, 64), timer=timer)  # forcing a layout still applies it
     assert model[0].weight.is_contiguous()
+    lay_out_weights([model], "auto", rows=(1, 64), timer=timer)  # and auto goes back to what was compiled
+    assert is_column_major(model[0].weight)
     fresh = nn.Sequential(nn.Linear(8, 16, bias=False))  # a newly loaded model is timed for its own rows
     report = lay_out_weights([fresh], "auto", rows=(1, 64), timer=timer)
     assert report["16x8 float32"]["layout"] == "row" and "kept" not in report["16x8 float32"]
