@@ -43,13 +43,16 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path, eos_token_id: Optional[int] = None, bos_token_id: Optional[int] = None,
                  eos_token_ids: Sequence[int] = (), add_special_tokens: bool = True,
-                 pipeline: Optional[tuple] = None):
+                 pipeline: Optional[tuple] = None, split_special_tokens: bool = False):
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
         self.pipeline = pipeline  # transformers_pipeline's rebuild, or None: the file as saved
         if pipeline is not None:
             rebuild_as(self._tok, pipeline)
+        # tokenizer_config.json's split_special_tokens: special tokens written in a prompt are encoded as text, as
+        # transformers does (a rendered chat template's too)
+        self._tok.encode_special_tokens = bool(split_special_tokens)
         # a file saved with truncation or padding on would cut or pad every prompt: transformers' tokenizer(...)
         # does neither unless asked, and neither does specpipe
         self._tok.no_truncation()
@@ -144,6 +147,11 @@ def rebuild_as(tok, pipeline: tuple) -> None:
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
     kind, option = pipeline
+    # the BPE model's own options too: transformers builds a fresh BPE from the vocabulary and merges, so a
+    # Llama-2-era file saved without byte fallback (or before tokenizers had the key) still falls back to bytes
+    # instead of <unk> for a character outside the vocabulary
+    _bpe_options(tok, dropout=None, unk_token=None, continuing_subword_prefix=None, end_of_word_suffix=None,
+                 ignore_merges=False, fuse_unk=kind == "metaspace", byte_fallback=kind == "metaspace")
     if kind == "gpt2":
         tok.normalizer = None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=option)
@@ -162,6 +170,12 @@ def rebuild_as(tok, pipeline: tuple) -> None:
     if option != "never":
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
+
+
+def _bpe_options(tok, **options) -> None:
+    """Set a `tokenizers` BPE model's options in place (the vocabulary and merges stay)."""
+    for name, value in options.items():
+        setattr(tok.model, name, value)
 
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded before an output (vLLM's initial detokenization offset)

@@ -41,6 +41,13 @@ def llama2_style(path: Path, **save) -> None:
     if save.get("pad"):
         tok.enable_padding(length=save["pad"], pad_id=2, pad_token="</s>")
     tok.save(str(path))
+    if "byte_fallback" in save:  # a file saved without it (False), or before tokenizers had the key (None)
+        saved = json.loads(path.read_text())
+        if save["byte_fallback"] is None:
+            del saved["model"]["byte_fallback"]
+        else:
+            saved["model"]["byte_fallback"] = save["byte_fallback"]
+        path.write_text(json.dumps(saved))
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +248,19 @@ def test_llama_class_folders_encode_and_decode_as_transformers(tmp_path, model_t
         assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
 
 
+@pytest.mark.parametrize("byte_fallback", [False, None])
+def test_a_llama_class_file_without_byte_fallback_still_falls_back_to_bytes(tmp_path, byte_fallback):
+    """transformers 5 builds LlamaTokenizer's BPE with byte_fallback=True whatever the file says: specpipe kept the
+    file's model options, so characters outside the vocabulary became <unk> (id 0)."""
+    llama2_style(tmp_path / "tokenizer.json", byte_fallback=byte_fallback)
+    hf, mine = hf_and_ours(tmp_path, {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
+                                      "unk_token": "<unk>"}, bos_token_id=1)
+    for text in ["日本語 😀 café", "x\tTab <b>", "héllo 龍 cat"]:
+        ids = hf(text)["input_ids"]
+        assert 0 not in ids and mine.encode(text) == ids, text
+        assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True) == text, text
+
+
 def byte_level_style(path: Path) -> None:
     """A GPT-2-style byte-level BPE file (its own split keeps digit runs together, so "10" is one token)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -253,6 +273,23 @@ def byte_level_style(path: Path) -> None:
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_end|>")])
     tok.save(str(path))
+
+
+@pytest.mark.parametrize("tokenizer_class,model_type", [("PreTrainedTokenizerFast", "llama"),
+                                                        ("Qwen2Tokenizer", "qwen2"), ("GPT2Tokenizer", "llama")])
+def test_split_special_tokens_encodes_special_tokens_written_in_text_as_text(tmp_path, tokenizer_class, model_type):
+    """tokenizer_config.json's `split_special_tokens: true`: transformers encodes "<|im_end|>" in a prompt as the
+    text's pieces, not the special id; specpipe ignored the setting."""
+    byte_level_style(tmp_path / "tokenizer.json")
+    config = {"tokenizer_class": tokenizer_class, "eos_token": "<|im_end|>", "split_special_tokens": True}
+    hf, mine = hf_and_ours(tmp_path, config, model_type=model_type)
+    special = mine.special_token_id("<|im_end|>")
+    for text in ["call<|im_end|> done", "<|endoftext|>x <|im_end|>"]:
+        ids = hf(text)["input_ids"]
+        assert special not in ids and mine.encode(text) == ids, text
+        assert mine.encode_plain(text) == hf(text, add_special_tokens=False)["input_ids"], text
+        assert mine.decode(ids) == hf.decode(ids, skip_special_tokens=True) == text, text
+    assert mine.decode([special]) == ""  # the id itself stays special
 
 
 @pytest.mark.parametrize("model_type,tokenizer_class,rebuilt", [
@@ -357,7 +394,7 @@ def non_bpe_style(path: Path, kind: str) -> None:
     tok.save(str(path))
 
 
-def hf_and_ours(folder, tokenizer_config: dict, bos_token_id=None):
+def hf_and_ours(folder, tokenizer_config: dict, bos_token_id=None, model_type="llama"):
     """transformers' AutoTokenizer and specpipe's tokenizer for a Llama folder holding tokenizer.json and this
     tokenizer_config.json."""
     from transformers import AutoTokenizer
@@ -366,7 +403,7 @@ def hf_and_ours(folder, tokenizer_config: dict, bos_token_id=None):
     from specpipe.models.llama import LlamaConfig
 
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    raw = {"model_type": model_type, "architectures": ["LlamaForCausalLM"]}
     (folder / "config.json").write_text(json.dumps(raw))
     cfg = LlamaConfig(vocab_size=512, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
                       num_key_value_heads=1, intermediate_size=8, bos_token_id=bos_token_id)

@@ -509,7 +509,8 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
             rebuild = transformers_pipeline((folder / "tokenizer.json").read_text(encoding="utf-8", errors="replace"),
                                             how, raw.get("model_type"))
             tok = HFTokenizer(folder / "tokenizer.json", eos_token_id=eos[0] if eos else None,
-                              bos_token_id=cfg.bos_token_id, eos_token_ids=eos, pipeline=rebuild)
+                              bos_token_id=cfg.bos_token_id, eos_token_ids=eos, pipeline=rebuild,
+                              split_special_tokens=how.get("split_special_tokens") is True)
         except Exception as e:  # the tokenizers package's own words, with the file named
             raise CheckpointError(f"{folder / 'tokenizer.json'}: not a tokenizer file the `tokenizers` package can "
                                   f"read ({str(e) or type(e).__name__}); copy tokenizer.json again from the model's "
