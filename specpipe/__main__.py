@@ -60,8 +60,9 @@ def hydra_main(cfg: DictConfig) -> float:
         print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)
         return objective(done, cfg.latency_limit_ms)
     overrides = [str(o) for o in hc.overrides.task]  # the job's point, for error.json
-    if multirun:  # this job runs here now: nothing an earlier run left in its folder may pass for its results
-        clear_outputs(out_dir)
+    # this run (a sweep's job, or a single run into a reused hydra.run.dir) writes here now: nothing an earlier run
+    # left in the folder may pass for its results if it is stopped (resume=true would skip it as finished)
+    clear_outputs(out_dir)
     try:
         result = run(cfg, out_dir=out_dir)
     except KeyboardInterrupt:
@@ -106,12 +107,12 @@ def main() -> None:
         print(usage(sys.argv[1:]))
         return
 
-    sys.argv[1:] = expand_globs(flags_first(expand_home(sys.argv[1:])))
-    err = precheck(sys.argv[1:])
-    if err:
-        print(err, file=sys.stderr)
-        sys.exit(2)
-    try:
+    try:  # the precheck composes every job's config first (seconds for a large sweep): Ctrl-C there too
+        sys.argv[1:] = expand_globs(flags_first(expand_home(sys.argv[1:])))
+        err = precheck(sys.argv[1:])
+        if err:
+            print(err, file=sys.stderr)
+            sys.exit(2)
         hydra_main()
     except KeyboardInterrupt:  # a single run handles its own; this is a sweep, or before any job ran
         multirun = bool(RUNNING) or split_args(sys.argv[1:])[1]  # RUNNING: a job of a sweep preset had begun

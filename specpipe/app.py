@@ -567,13 +567,24 @@ class PartialCompletions:
 
 
 def write_outputs(out: Path, summary: dict, reqs: list[Request], tokenizer) -> None:
+    """Each file whole or not at all (written aside, then renamed): a Ctrl-C or a full disk here leaves the partial
+    file and no metrics.json, never a cut completions.jsonl. metrics.json comes last: it marks a finished job."""
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "metrics.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    with open(out / "completions.jsonl", "w") as f:
-        for r in reqs:
-            f.write(json.dumps(completion_record(r, tokenizer)) + "\n")
+    tmp, done = out / "metrics.json.tmp", out / "completions.jsonl.tmp"
+    try:
+        tmp.write_text(json.dumps(summary, indent=2))
+        with open(done, "w") as f:
+            for r in reqs:
+                f.write(json.dumps(completion_record(r, tokenizer)) + "\n")
+    except BaseException:
+        for t in (tmp, done):
+            try:
+                t.unlink(missing_ok=True)
+            except OSError:
+                pass
+        raise
+    os.replace(done, out / "completions.jsonl")
+    os.replace(tmp, out / "metrics.json")
     partial = out / PartialCompletions.NAME
     if not partial.is_dir():  # (a folder of that name was never ours: the run went on without the file)
         partial.unlink(missing_ok=True)  # completions.jsonl holds all of it, in order
-    os.replace(tmp, out / "metrics.json")  # written last: its presence marks a finished job

@@ -192,15 +192,18 @@ def clear_error(out_dir: str) -> None:
     (Path(out_dir) / "error.json").unlink(missing_ok=True)
 
 
-RUN_OUTPUTS = ("metrics.json", "metrics.json.tmp", "completions.jsonl", "completions.partial.jsonl", "error.json")
-KEPT_OUTPUTS = ("metrics.json", "completions.jsonl")  # an earlier run's results: set aside as NAME.prev, not deleted
+RUN_OUTPUTS = ("metrics.json", "metrics.json.tmp", "completions.jsonl", "completions.jsonl.tmp",
+               "completions.partial.jsonl", "error.json")
+# an earlier run's results (the partial file: an interrupted run's finished requests): set aside as NAME.prev
+KEPT_OUTPUTS = ("metrics.json", "completions.jsonl", "completions.partial.jsonl")
 
 
 def clear_outputs(out_dir: str) -> None:
     """Clear what an earlier run left in a job's folder before the job runs there again (a re-sweep into the same
     hydra.sweep.dir, or a resumed job that was not finished): an interrupted, killed or failed job must not be
     left beside an older run's metrics.json, which the report and resume would take for this job's. The earlier
-    results are renamed to metrics.json.prev / completions.jsonl.prev (replacing older ones), never deleted."""
+    results are renamed to metrics.json.prev / completions.jsonl.prev / completions.partial.jsonl.prev (replacing
+    older ones), never deleted."""
     for name in RUN_OUTPUTS:
         path = Path(out_dir) / name
         try:

@@ -79,6 +79,9 @@ def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
 
     out = tmp_path / "run"
     partial = out / "completions.partial.jsonl"
+    out.mkdir()  # a folder a finished run used: its results must not pass for the stopped run's (resume skipped it)
+    (out / "metrics.json").write_text('{"tokens_per_s": 1.0}')
+    (out / "completions.jsonl").write_text('{"index": 0}\n')
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
                           "workload.max_new_tokens=1500", "workload.batch_size=1", "draft=none",
@@ -94,3 +97,20 @@ def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
     assert "interrupted; the requests that had finished are in" in stderr and "Traceback" not in stderr
     recs = [json.loads(x) for x in partial.read_text().splitlines()]
     assert recs and recs[0]["index"] == 0 and len(recs) < 12 and not (out / "metrics.json").exists()
+    assert (out / "metrics.json.prev").read_text() == '{"tokens_per_s": 1.0}'  # set aside, not deleted
+    assert (out / "completions.jsonl.prev").read_text() == '{"index": 0}\n'
+
+
+def test_ctrl_c_while_the_configs_are_checked_exits_130_without_a_traceback(monkeypatch, capsys):
+    """The precheck composes every job's config before Hydra starts (seconds for a large sweep): Ctrl-C there gave
+    a Python traceback and death by SIGINT."""
+    import specpipe.__main__ as entry
+    from specpipe import cli_errors
+
+    def precheck(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_errors, "precheck", precheck)
+    monkeypatch.setattr(sys, "argv", ["specpipe", "model=random_tiny"])
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    assert e.value.code == 130 and capsys.readouterr().err.strip() == "specpipe: interrupted"

@@ -236,6 +236,28 @@ def test_an_interrupted_run_keeps_every_finished_request(tmp_path, pair, monkeyp
     assert not (out / "completions.partial.jsonl").exists() and (out / "metrics.json").exists()
 
 
+def test_outputs_are_written_whole_or_not_at_all(tmp_path):
+    """completions.jsonl was written in place: a Ctrl-C or a full disk during the final write left a cut file beside
+    the partial one (and, in a reused folder, beside an older metrics.json that resume took as finished)."""
+    from specpipe.app import write_outputs
+    from specpipe.pipeline import Request
+    from specpipe.tokenizer import ByteTokenizer
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "completions.jsonl").write_text("earlier\n")
+    (out / "completions.partial.jsonl").write_text('{"index": 0}\n')
+    good = Request(index=0, prompt="ab", prompt_ids=[97, 98], max_new_tokens=2)
+    with pytest.raises(AttributeError):  # the second record cannot be written
+        write_outputs(out, {"tokens_per_s": 1.0}, [good, object()], ByteTokenizer())
+    assert (out / "completions.jsonl").read_text() == "earlier\n"
+    assert (out / "completions.partial.jsonl").read_text() == '{"index": 0}\n'
+    assert sorted(f.name for f in out.iterdir()) == ["completions.jsonl", "completions.partial.jsonl"]
+    write_outputs(out, {"tokens_per_s": 1.0}, [good], ByteTokenizer())
+    assert sorted(f.name for f in out.iterdir()) == ["completions.jsonl", "metrics.json"]
+    assert json.loads((out / "completions.jsonl").read_text())["index"] == 0
+
+
 def test_lines_that_are_not_one_prompt_object_say_what_they_are(tmp_path):
     from specpipe.workload import read_prompts_file
 

@@ -134,6 +134,8 @@ def test_a_new_sweep_into_a_used_folder_leaves_no_earlier_results_beside_a_faile
     assert "error.json" in left and not left & {"metrics.json", "completions.jsonl", "completions.partial.jsonl"}
     assert json.loads((sweep / "0" / "metrics.json.prev").read_text()) == earlier  # set aside, never deleted
     assert (sweep / "0" / "completions.jsonl.prev").read_text() == '{"index": 0}\n'
+    # an interrupted earlier run's finished requests are set aside too (a resumed job deleted them)
+    assert (sweep / "0" / "completions.partial.jsonl.prev").read_text() == '{"index": 0}\n'
     assert json.loads((sweep / "0" / "error.json").read_text())["overrides"] == ["draft.num_steps=0", *SMALL]
     with pytest.raises(SystemExit) as e:  # no job finished: nothing to report, not the earlier run's 900 tokens/s
         report_main([str(sweep)])
