@@ -101,11 +101,14 @@ def hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     register_schemas()
-    from specpipe.cli_errors import expand_globs, expand_home, flags_first, precheck, split_args, usage
+    from specpipe.cli_errors import (expand_globs, expand_home, flags_first, hide_schemas_from_completion, precheck,
+                                     split_args, usage)
 
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(usage(sys.argv[1:]))
         return
+    if any(a in ("--shell-completion", "-sc") for a in sys.argv[1:]):
+        hide_schemas_from_completion()
 
     try:  # the precheck composes every job's config first (seconds for a large sweep): Ctrl-C there too
         sys.argv[1:] = expand_globs(flags_first(expand_home(sys.argv[1:])))

@@ -96,6 +96,10 @@ def reword(exc: Exception, overrides: list[str]) -> str:
             val, typ, key = m.groups()
             kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(typ, typ)
             return f"specpipe: invalid value for {key}: {val!r} is not {kind}; give {key}=<{kind}>."
+    outer = re.search(r"Could not override '([^']+)'", msg)
+    inner = re.search(r"Key '[^']+' (?:is )?not in .*full_key: ([\w.]+)", str(cause), re.S) if cause else None
+    if outer and inner and inner.group(1).startswith(outer.group(1) + "."):
+        msg = str(cause)  # a {dict} value with a key the schema lacks: the cause names the inner key
     odd_key = next((o for o in overrides if not re.fullmatch(r"[+~]*[\w./@-]+", o.split("=", 1)[0], re.ASCII)), None)
     if "LexerNoViableAltException" in msg and odd_key is not None:
         key = odd_key.split("=", 1)[0]
@@ -134,10 +138,17 @@ def reword(exc: Exception, overrides: list[str]) -> str:
     if m:
         group, opt = m.group(1), m.group(2)
         if group.startswith("hydra/"):
-            extra = {"launcher": "joblib, ray or slurm", "sweeper": "optuna"}.get(group.split("/")[-1], "")
-            return (f"specpipe: invalid override {group}={opt}: the plugin for '{opt}' is not installed or has no "
-                    f"such option. Install the optional extra first, e.g. pip install -e '.[{opt}]' "
-                    f"(extras: {extra or 'joblib, ray, slurm, optuna'}).")
+            kind = group.split("/")[-1]
+            extra = {"joblib": "joblib", "ray": "ray", "ray_local": "ray", "ray_aws": "ray", "slurm": "slurm",
+                     "submitit_slurm": "slurm", "submitit_local": "slurm", "optuna": "optuna"}.get(opt)
+            here = sorted(set(o for o in hydra_options(group) + group_options(group) if not o.startswith("base_")))
+            have = f" (valid here: {', '.join(here)})" if here else ""
+            if extra is None:
+                more = {"launcher": "joblib, ray or slurm", "sweeper": "optuna"}.get(kind, "joblib, ray, slurm, optuna")
+                return (f"specpipe: invalid override {group}={opt}: there is no {kind} '{opt}'{have}; the optional "
+                        f"extras ({more}) add plugins, e.g. pip install -e '.[{more.split(',')[0]}]'.")
+            return (f"specpipe: invalid override {group}={opt}: the plugin for '{opt}' is not installed{have}. "
+                    f"Install the optional extra first: pip install -e '.[{extra}]'.")
         return (f"specpipe: invalid override {group}={opt}: config group '{group}' has no option '{opt}' "
                 f"(valid: {', '.join(group_options(group))}).")
     m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", msg) or \
@@ -151,6 +162,18 @@ def reword(exc: Exception, overrides: list[str]) -> str:
                   None)
     if m and plugin is not None:
         kind = plugin.split(".")[1]
+        chosen = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"hydra/{kind}=")), None)
+        if chosen is not None:
+            try:
+                rest = [o for o in overrides if not o.lstrip("+~").startswith(f"hydra.{kind}.")]
+                node = compose_config(rest, hydra=True).hydra[kind]
+                keys = sorted(k for k in node.keys() if k != "_target_")
+            except Exception:
+                keys = []
+            hint = f" (valid keys there: {', '.join(keys)})" if keys else ""
+            return (f"specpipe: invalid override: '{plugin}' is not a setting of hydra/{kind}={chosen}{hint}; "
+                    f"`python -m specpipe --cfg hydra -p hydra.{kind} hydra/{kind}={chosen}` lists them with their "
+                    f"values.")
         return (f"specpipe: invalid override: '{plugin}' is not a setting of the {kind} in use (each hydra/{kind} "
                 f"has its own, e.g. hydra.launcher.n_jobs belongs to hydra/launcher=joblib); choose the {kind} in "
                 f"the same command, and `python -m specpipe --cfg hydra -p hydra.{kind}` lists its settings.")
@@ -158,11 +181,19 @@ def reword(exc: Exception, overrides: list[str]) -> str:
         key = m.group(1)
         keys = [o.split("=")[0].lstrip("+~") for o in overrides]
         full = next((k for k in keys if k == key), None) or next((k for k in keys if k.endswith("." + key)), key)
+        named = re.search(r"full_key: ([\w.]+)", msg)
+        full = named.group(1) if named and named.group(1).endswith(key) else full
+        source = re.match(r"In '([^']+)':", msg)
+        if source and full not in keys:  # a key in a config file of the user's, not on the command line
+            valid = valid_keys(full)
+            hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
+            return (f"specpipe: invalid configuration: {source.group(1)}.yaml sets '{full}', which is not a "
+                    f"configuration key{hint}. Use `python -m specpipe --cfg job` to see every key.")
         valid = valid_keys(full)
         hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
         group = full.split(".")[0]
         chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == group), None)
-        if chosen is not None and "." in full:  # the key belongs to other options of the group (a sweep's point)
+        if chosen is not None and "." in full and group_options(group):  # the key belongs to other options of the group (a sweep's point)
             return (f"specpipe: invalid override: '{full}' is not a setting of {group}={chosen}{hint}; in a sweep every "
                     f"point gets every override, so sweep the {group} options that take it in a command of their "
                     f"own. `python -m specpipe --cfg job {group}={chosen}` shows its keys.")
@@ -192,6 +223,35 @@ def reword(exc: Exception, overrides: list[str]) -> str:
     if m:
         return f"specpipe: invalid value for {m.group(1)}: {first}."
     return f"specpipe: invalid override: {first}"
+
+
+def hide_schemas_from_completion() -> None:
+    """Shell completion lists a group's options from Hydra's config store too, where the schemas' base_* entries
+    live; they are not options (the precheck refuses them), so completion leaves them out."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    listed = ConfigLoaderImpl.get_group_options
+    if getattr(listed, "_specpipe", False):
+        return
+
+    def options(self, *args, **kwargs):
+        return [o for o in listed(self, *args, **kwargs) if not o.startswith("base_")]
+
+    options._specpipe = True
+    ConfigLoaderImpl.get_group_options = options
+
+
+def hydra_options(group: str) -> list[str]:
+    """The options Hydra knows for one of its own groups (hydra/launcher: basic, joblib, ...): the installed
+    plugins' configs."""
+    try:
+        from hydra.core.plugins import Plugins
+        from hydra.core.config_store import ConfigStore
+
+        Plugins.instance()  # registers the installed plugins' configs
+        return sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list(group))
+    except Exception:
+        return []
 
 
 def default_value(key: str, overrides: list[str]):
@@ -427,8 +487,9 @@ def output_folder_problem(key: str, value: str) -> Optional[str]:
     return None
 
 
-def hydra_problem(cfg, multirun: bool) -> Optional[str]:
-    """Launcher and output-folder settings that would fail inside Hydra, with a traceback."""
+def hydra_problem(cfg, multirun: bool, hydra_keys: tuple = ()) -> Optional[str]:
+    """Launcher and output-folder settings that would fail inside Hydra, with a traceback. `hydra_keys`: the
+    hydra.* keys the command sets, whose interpolations are checked too."""
     import shutil
 
     from omegaconf import OmegaConf
@@ -439,11 +500,66 @@ def hydra_problem(cfg, multirun: bool) -> Optional[str]:
                 "no SLURM (neither srun nor sbatch is on the PATH); run it on a cluster's login node, or try the "
                 "same sweep here with hydra/launcher=submitit_local or joblib")
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    for k in [key, "hydra.sweep.subdir", "hydra.job.name", *hydra_keys]:
+        why = interpolation_problem(cfg, k)
+        if why:
+            return why
     try:
         value = OmegaConf.select(cfg, key, default=None)
     except Exception:  # an interpolation Hydra resolves only once the job runs
         return None
     return None if value is None else output_folder_problem(key, str(value))
+
+
+def interpolation_problem(cfg, key: str) -> Optional[str]:
+    """Why `key`'s ${...} cannot be resolved at all (Hydra would stop with a traceback), or None. Keys that
+    Hydra fills in only once the job runs (hydra.job.num, hydra.runtime.*) are not the user's mistake."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, UnsupportedInterpolationType
+
+    try:
+        OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=True)
+        return None
+    except UnsupportedInterpolationType as e:
+        name = re.search(r"Unsupported interpolation type (\S+)", str(e))
+        what = f"the resolver '{name.group(1)}', which does not exist" if name else "an unknown resolver"
+    except InterpolationKeyError as e:
+        name = re.search(r"Interpolation key '([^']+)' not found", str(e))
+        if name is None or name.group(1).startswith("hydra"):
+            return None
+        what = f"${{{name.group(1)}}}, which is not a configuration key"
+    except InterpolationResolutionError as e:
+        name = re.search(r"Environment variable '([^']+)' not found", str(e))
+        if name is None:
+            return None
+        what = (f"the environment variable {name.group(1)}, which is not set (a default goes after a comma: "
+                f"${{oc.env:{name.group(1)},outputs}})")
+    except Exception:
+        return None
+    try:
+        raw = OmegaConf.to_container(OmegaConf.select(cfg, key.rsplit(".", 1)[0]), resolve=False)[key.rsplit(".", 1)[1]]
+    except Exception:
+        raw = "..."
+    return (f"specpipe: invalid configuration: {key}={raw!r} refers to {what}; `python -m specpipe --cfg job` lists "
+            f"the keys, and ${{oc.env:NAME}} reads an environment variable")
+
+
+def preset_problem(msg: str, from_preset: list[str], base) -> str:
+    """`msg` about a key that a sweep preset sweeps (not one the user typed) names the preset instead."""
+    key = next((o.split("=", 1)[0] for o in from_preset if f"'{o.split('=', 1)[0]}'" in msg), None)
+    if key is None:
+        return msg
+    name = base.hydra.runtime.choices.get("sweep") or "?"
+    group = key.split(".")[0]
+    chosen = base.hydra.runtime.choices.get(group)
+    try:
+        valid = sorted(k for k in compose_config([f"{group}={chosen}"])[group].keys() if k != "_target_")
+    except Exception:
+        valid = []
+    hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
+    return (f"specpipe: invalid override {group}={chosen}: the ready sweep sweep={name} sweeps {key}, which is not "
+            f"a setting of {group}={chosen}{hint}; keep the sweep's own {group} option, or sweep {group}={chosen}'s "
+            f"keys yourself (python -m specpipe -m {group}={chosen} {group}.KEY=v1,v2).")
 
 
 def precheck(argv: list[str], api: bool = False) -> Optional[str]:
@@ -456,6 +572,11 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
             return (f"specpipe: invalid command: --shell-completion needs one of install=SHELL, uninstall=SHELL "
                     f"(SHELL: bash, zsh or fish), and got {' '.join(todo) if todo else 'none'}; e.g. "
                     f"eval \"$(python -m specpipe -sc install=bash)\"")
+        verb, _, shell = todo[0].partition("=")
+        if verb != "query" and shell not in ("bash", "zsh", "fish"):
+            return (f"specpipe: invalid command: --shell-completion {todo[0]}: completion is available for bash, zsh "
+                    f"and fish, not {shell or 'an unnamed shell'!r}; e.g. eval \"$(python -m specpipe -sc "
+                    f"{verb}=bash)\"")
     if c.skip:
         return None
     if c.config_dir is not None:
@@ -485,6 +606,18 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
             plain = p.input_line.lstrip("+~").removeprefix("hydra.sweeper.params.")
             return (f"specpipe: invalid override {p.input_line}: a sweep preset's values are replaced by the same "
                     f"key given plainly; write {plain} (with -m for several values).")
+    for p in parsed:  # the schemas every option extends are in the group's namespace, but run nothing of their own
+        group = p.get_key_element().lstrip("+~")
+        try:
+            values = list(p.sweep_string_iterator()) if p.is_sweep_override() else [str(p.value())]
+        except Exception:
+            values = []
+        schema = next((v for v in values if v.startswith("base_") and v not in group_options(
+            group, config_dirs(c, overrides))), None)  # (a YAML of that name is an option)
+        if schema is not None and "." not in group and group_options(group, config_dirs(c, overrides)):
+            return (f"specpipe: invalid override {group}={schema}: {schema} is the schema that {group} options "
+                    f"extend (a user's {group} YAML lists it in its defaults), not an option (valid: "
+                    f"{', '.join(group_options(group, config_dirs(c, overrides)))}).")
     first = []  # the first point: every override with its first value (a sweep's keys can need its groups)
     for p in parsed:
         try:
@@ -519,7 +652,9 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     if hydra_swept is not None:
         return (f"specpipe: invalid override {hydra_swept.input_line}: Hydra's own settings cannot be swept; sweep "
                 f"the run's keys (e.g. draft.topk=1,2).")
-    why = None if (api or c.prints) else hydra_problem(base, multirun)
+    hydra_keys = tuple(p.get_key_element().lstrip("+~") for p in parsed
+                       if p.get_key_element().lstrip("+~").startswith("hydra."))
+    why = None if (api or c.prints) else hydra_problem(base, multirun, hydra_keys)
     if why:
         return why
     if multirun and "BasicLauncher" not in str(base.hydra.launcher.get("_target_", "")) \
@@ -531,6 +666,12 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     own = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     hydra_own = [o for o in overrides if o.lstrip("+~").startswith("hydra")]
     sampled = "BasicSweeper" not in str(base.hydra.sweeper.get("_target_", ""))
+    from_preset = []
+    if multirun:  # a sweep preset's own points (hydra.sweeper.params) meet the command's groups too
+        given = {p.get_key_element().lstrip("+~") for p in parsed}
+        preset = base.hydra.sweeper.get("params") or {}
+        from_preset = [f"{k}={v}" for k, v in preset.items() if k not in given and v is not None]
+        own = own + from_preset
     try:
         combos = expand(own, sampled=sampled, dirs=config_dirs(c, overrides)) if multirun else [own]
     except ValueError as e:
@@ -544,7 +685,7 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
         try:
             cfg = compose_config(combo + hydra_own, c.config_name, config_dir=c.config_dir)
         except Exception as e:
-            return reword(e, combo)
+            return preset_problem(reword(e, combo), from_preset, base) if multirun else reword(e, combo)
         if not multirun and not c.prints:
             try:
                 validate(cfg)

@@ -25,6 +25,8 @@ def myconf(tmp_path_factory):
     (root / "model").mkdir()
     (root / "model" / "mytiny.yaml").write_text("defaults: [random_tiny, _self_]\n")
     (root / "experiment").mkdir()
+    (root / "experiment" / "badkey.yaml").write_text("# @package _global_\ndraft:\n  topkk: 3\n")
+    (root / "draft" / "base_mine.yaml").write_text("defaults: [base_eagle, _self_]\ntopk: 2\n")  # named like a schema
     (root / "experiment" / "foo.yaml").write_text("# @package _global_\ndefaults:\n  - override /draft: ngram\n"
                                                   "  - override /allocator: paged\ndraft:\n  topk: 2\n")
     return root
@@ -40,7 +42,10 @@ WORKS = [["sweep=compile_policies", "compile=eager,split"],  # a preset is a swe
          ["-cd", "{myconf}", "-cn", "withfoo", "~experiment"],  # a group only the user's folder has
          ["-cd", "{myconf}", "-cn", "withfoo", "~experiment=foo"],
          ["~sweep", "--cfg", "job"], ["hydra.run.dir="], ["+hydra.job.env_set.OMP_NUM_THREADS=1"],
-         ["--cfg", "job", "hydra.run.dir={file}/x"]]  # printing a config makes no output folder
+         ["--cfg", "job", "hydra.run.dir={file}/x"],  # printing a config makes no output folder
+         ["hydra.run.dir={file}d/${{hydra.job.name}}/${{draft.topk}}"],  # (hydra.* keys resolve when the job runs)
+         ["-m", "hydra.sweep.dir=${{oc.env:SPECPIPE_NO_SUCH_VAR,multirun}}", "draft.topk=1,2"],
+         ["-cd", "{myconf}", "draft=base_mine"]]  # a user's option named like a schema is an option
 FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per command"),
          (["draft.topk=1,2"], "several values (or a sweep function) make a sweep, so add -m"),
          (["-cd", "/no/such/folder"], "--config-dir '/no/such/folder' is not a folder"),
@@ -66,7 +71,24 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
          (["hydra.sweep.dir=/tmp/" + "x" * 5000, "-m", "draft.topk=1,2"], "cannot be a folder (File name too long)"),
          (["--cfg", "job", "allocator=foo"], "config group 'allocator' has no option 'foo'"),
          (["--info", "config", "draft=bogus"], "config group 'draft' has no option 'bogus'"),
-         (["-m", "--cfg", "job", "draft.topk=1,2"], "--cfg and --info print one composed config")]
+         (["-m", "--cfg", "job", "draft.topk=1,2"], "--cfg and --info print one composed config"),
+         (["hydra.run.dir=/tmp/${{oc.env:SPECPIPE_NO_SUCH_VAR}}"], "the environment variable SPECPIPE_NO_SUCH_VAR, "
+                                                                  "which is not set"),
+         (["hydra.run.dir={file}d/${{draft.nope}}"], "refers to ${draft.nope}, which is not a configuration key"),
+         (["-m", "hydra.job.name=${{foo:x}}", "draft.topk=1,2"], "the resolver 'foo', which does not exist"),
+         (["sweep=suffix_cache", "draft=eagle"], "invalid override draft=eagle: the ready sweep sweep=suffix_cache "
+                                                 "sweeps draft.cache_tokens, which is not a setting of draft=eagle"),
+         (["compile.draft_topk={{first:eager,latr:compile}}"], "'compile.draft_topk.latr' is not a configuration key "
+                                                              "(valid keys there: first, fused, later)"),
+         (["sampling={{temprature:1}}"], "'sampling.temprature' is not a configuration key (valid keys there: "),
+         (["-cd", "{myconf}", "+experiment=badkey"], "experiment/badkey.yaml sets 'draft.topkk', which is not a "
+                                                     "configuration key (valid keys there: method, num_draft_tokens"),
+         (["-sc", "install=tcsh"], "completion is available for bash, zsh and fish, not 'tcsh'"),
+         (["draft=base_eagle"], "base_eagle is the schema that draft options extend"),
+         (["-m", "allocator=token,base_paged"], "base_paged is the schema that allocator options extend"),
+         (["hydra/launcher=jobib"], "there is no launcher 'jobib' (valid here: basic, joblib"),
+         (["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobz=2", "draft.topk=1,2"],
+          "'hydra.launcher.n_jobz' is not a setting of hydra/launcher=joblib (valid keys there: backend")]
 
 
 @pytest.mark.parametrize("args", WORKS, ids=[" ".join(a) for a in WORKS])
@@ -122,3 +144,12 @@ def test_a_sweep_with_flags_last_a_glob_and_chdir_reads_paths_from_where_it_was_
     assert jobs == ["0"], jobs  # glob(t*) is allocator=token alone
     line = json.loads((tmp_path / "sweep" / "0" / "completions.jsonl").read_text().splitlines()[0])
     assert line["prompt"] == "def chdir_check(x):" and line["finish_reason"] != "error", line
+
+
+def test_shell_completion_offers_options_not_the_schemas_they_extend(tmp_path):
+    env = dict(os.environ, COMP_LINE="specpipe draft=", COMP_POINT="15")
+    p = subprocess.run([sys.executable, "-m", "specpipe", "-sc", "query=bash"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    offered = p.stdout.split()
+    assert p.returncode == 0 and "draft=eagle" in offered and "draft=ngram" in offered, p.stderr[-2000:]
+    assert not [o for o in offered if "base_" in o], offered
