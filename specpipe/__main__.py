@@ -60,9 +60,11 @@ def hydra_main(cfg: DictConfig) -> float:
         print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)
         return objective(done, cfg.latency_limit_ms)
     overrides = [str(o) for o in hc.overrides.task]  # the job's point, for error.json
-    # this run (a sweep's job, or a single run into a reused hydra.run.dir) writes here now: nothing an earlier run
-    # left in the folder may pass for its results if it is stopped (resume=true would skip it as finished)
-    clear_outputs(out_dir)
+    # a sweep's job writes here now: nothing an earlier sweep left in its folder may pass for this job's results if
+    # it fails or is stopped (resume=true would skip it as finished). A single run sets earlier results aside only
+    # once it starts writing its own (run() does), so one refused by a check against the model loses nothing.
+    if multirun:
+        clear_outputs(out_dir)
     try:
         result = run(cfg, out_dir=out_dir)
     except KeyboardInterrupt:

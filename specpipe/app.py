@@ -454,6 +454,10 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         if pipe.compiled_model:
             device.freeze_weight_layouts(models)  # later runs on these weights keep the strides compiled for
         compiles_before, limits_before = recompile_count(), recompile_limit_hits()
+        if out_dir is not None:  # the first write: what an earlier run left here is set aside (*.prev) now
+            from specpipe.sweep import clear_outputs
+
+            clear_outputs(out_dir)
         partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
         if partial is not None:
             partial.write([r for r in reqs if r.finished])  # bad prompts: failed before the run

@@ -101,6 +101,20 @@ def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
     assert (out / "completions.jsonl.prev").read_text() == '{"index": 0}\n'
 
 
+def test_a_run_refused_by_a_check_against_the_model_leaves_the_folders_earlier_results_in_place(tmp_path):
+    """Checks that need the loaded model (allocator=swa on a model without sliding-window layers) run after Hydra
+    made the run folder; a refused run writes nothing, so it must not set the earlier results aside either."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.json").write_text('{"tokens_per_s": 1.0}')
+    (out / "completions.jsonl").write_text('{"index": 0}\n')
+    p = specpipe(*SMALL, "allocator=swa", "device.num_threads=1", f"hydra.run.dir={out}", cwd=ROOT)
+    assert p.returncode == 2 and "has no sliding-window layers" in p.stderr, p.stderr[-2000:]
+    assert (out / "metrics.json").read_text() == '{"tokens_per_s": 1.0}'
+    assert (out / "completions.jsonl").read_text() == '{"index": 0}\n'
+    assert not (out / "metrics.json.prev").exists()
+
+
 def test_ctrl_c_while_the_configs_are_checked_exits_130_without_a_traceback(monkeypatch, capsys):
     """The precheck composes every job's config before Hydra starts (seconds for a large sweep): Ctrl-C there gave
     a Python traceback and death by SIGINT."""
