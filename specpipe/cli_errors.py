@@ -85,8 +85,9 @@ def group_options(group: str, dirs: Optional[list] = None) -> list[str]:
     return sorted(found)
 
 
-def reword(exc: Exception, overrides: list[str]) -> str:
-    """One paragraph naming the bad key/value and what would be valid."""
+def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) -> str:
+    """One paragraph naming the bad key/value and what would be valid. `dirs`: the config folders searched (the
+    package's and a user's), whose options are the valid ones."""
     msg = str(exc)
     cause = exc.__cause__
     if "Error merging override" in msg and cause is not None and "full_key" in str(cause):
@@ -95,7 +96,11 @@ def reword(exc: Exception, overrides: list[str]) -> str:
         if m:
             val, typ, key = m.groups()
             kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(typ, typ)
-            return f"specpipe: invalid value for {key}: {val!r} is not {kind}; give {key}=<{kind}>."
+            typed = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key), None)
+            shown = repr(typed) if typed is not None and typed != val else repr(val)
+            if typed is not None and typed != val:  # 1e3 is read as the float 1000.0
+                shown += f" (read as {val})"
+            return f"specpipe: invalid value for {key}: {shown} is not {kind}; give {key}=<{kind}>."
     outer = re.search(r"Could not override '([^']+)'", msg)
     inner = re.search(r"Key '[^']+' (?:is )?not in .*full_key: ([\w.]+)", str(cause), re.S) if cause else None
     if outer and inner and inner.group(1).startswith(outer.group(1) + "."):
@@ -149,8 +154,15 @@ def reword(exc: Exception, overrides: list[str]) -> str:
                         f"extras ({more}) add plugins, e.g. pip install -e '.[{more.split(',')[0]}]'.")
             return (f"specpipe: invalid override {group}={opt}: the plugin for '{opt}' is not installed{have}. "
                     f"Install the optional extra first: pip install -e '.[{extra}]'.")
+        valid = group_options(group, dirs)
+        if not valid:
+            groups = sorted({p.name for d in (dirs or [CONF_DIR]) if Path(d).is_dir() for p in Path(d).iterdir()
+                             if p.is_dir() and p.name != "hydra" and any(p.glob("*.yaml"))})
+            return (f"specpipe: invalid override {group}={opt}: there is no config group '{group}' in the config "
+                    f"folders searched (groups: {', '.join(groups)}); a group of your own, such as "
+                    f"myconf/{group}/{opt}.yaml, is added with -cd myconf.")
         return (f"specpipe: invalid override {group}={opt}: config group '{group}' has no option '{opt}' "
-                f"(valid: {', '.join(group_options(group))}).")
+                f"(valid: {', '.join(valid)}).")
     m = re.search(r"Key '([^']+)' (?:is )?not in (?:struct|'([^']+)')", msg) or \
         re.search(r"Could not override '([^']+)'", msg)
     appended = next((o for o in overrides if o.startswith("hydra.") and o.split("=")[0] in msg
@@ -585,6 +597,7 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
             return (f"specpipe: invalid configuration: --config-dir {c.config_dir!r} is not a folder; give the "
                     f"folder that holds your config groups (e.g. myconf/ with myconf/experiment/foo.yaml)")
     overrides = list(c.overrides)
+    dirs = config_dirs(c, overrides)
     for o in overrides:
         key = o.lstrip("+").partition("=")[0]
         if not key.strip("~ "):
@@ -600,7 +613,7 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
 
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:
-        return reword(e, overrides)
+        return reword(e, overrides, dirs)
     for p in parsed:  # Hydra's own error for these is "Unexpected type: None" or "Could not override"
         if p.get_key_element().lstrip("+~").startswith("hydra.sweeper.params."):
             plain = p.input_line.lstrip("+~").removeprefix("hydra.sweeper.params.")
@@ -628,7 +641,12 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     try:
         base = compose_config(first, c.config_name, hydra=True, config_dir=c.config_dir)
     except Exception as e:
-        return reword(e, first)
+        if "Cannot find primary config" in str(e):
+            mine = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+            return (f"specpipe: invalid command: --config-name {c.config_name!r}: no such config in the config "
+                    f"folders searched (valid: {', '.join(mine)}); a primary config of your own is "
+                    f"myconf/NAME.yaml, used as -cd myconf -cn NAME.")
+        return reword(e, first, dirs)
     multirun = c.multirun or str(base.hydra.mode) == "RunMode.MULTIRUN"  # sweep presets set hydra.mode
     swept = [p for p in parsed if p.is_sweep_override()]
     if c.prints and (c.multirun or swept):
@@ -675,9 +693,9 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     try:
         combos = expand(own, sampled=sampled, dirs=config_dirs(c, overrides)) if multirun else [own]
     except ValueError as e:
-        return str(e) if str(e).startswith("specpipe:") else reword(e, own)
+        return str(e) if str(e).startswith("specpipe:") else reword(e, own, dirs)
     except Exception as e:
-        return reword(e, own)
+        return reword(e, own, dirs)
     from specpipe.errors import ConfigError
     from specpipe.validate import validate
 
@@ -685,12 +703,12 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
         try:
             cfg = compose_config(combo + hydra_own, c.config_name, config_dir=c.config_dir)
         except Exception as e:
-            return preset_problem(reword(e, combo), from_preset, base) if multirun else reword(e, combo)
+            return preset_problem(reword(e, combo, dirs), from_preset, base) if multirun else reword(e, combo, dirs)
         if not multirun and not c.prints:
             try:
                 validate(cfg)
             except ConfigError as e:
                 return str(e)
             except Exception as e:  # an override the rules did not foresee: still no traceback
-                return reword(e, combo)
+                return reword(e, combo, dirs)
     return None

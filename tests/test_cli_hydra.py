@@ -86,6 +86,10 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
          (["-sc", "install=tcsh"], "completion is available for bash, zsh and fish, not 'tcsh'"),
          (["draft=base_eagle"], "base_eagle is the schema that draft options extend"),
          (["-m", "allocator=token,base_paged"], "base_paged is the schema that allocator options extend"),
+         (["-cd", "{myconf}", "-cn", "myrunn"], "--config-name 'myrunn': no such config in the config folders searched "
+                                                "(valid: config, myrun, withfoo)"),
+         (["draft.topk=1e3"], "'1e3' (read as 1000.0) is not an integer"),
+         (["-cd", "{myconf}", "+experiment=nope"], "config group 'experiment' has no option 'nope' (valid: badkey, foo)"),
          (["hydra/launcher=jobib"], "there is no launcher 'jobib' (valid here: basic, joblib"),
          (["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobz=2", "draft.topk=1,2"],
           "'hydra.launcher.n_jobz' is not a setting of hydra/launcher=joblib (valid keys there: backend")]
