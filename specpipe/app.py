@@ -544,7 +544,7 @@ class PartialCompletions:
         self.path, self.tokenizer, self.f = out / self.NAME, tokenizer, None
         try:
             out.mkdir(parents=True, exist_ok=True)
-            self.f = open(self.path, "w")
+            self.f = open(self.path, "w", encoding="utf-8")
         except OSError as e:  # as a failed write: the decoding goes on, the end says what could not be kept
             print(f"specpipe: warning: cannot write {self.path} ({e.strerror or e}); decoding goes on without it",
                   file=sys.stderr)
@@ -577,7 +577,7 @@ def write_outputs(out: Path, summary: dict, reqs: list[Request], tokenizer) -> N
     tmp, done = out / "metrics.json.tmp", out / "completions.jsonl.tmp"
     try:
         tmp.write_text(json.dumps(summary, indent=2))
-        with open(done, "w") as f:
+        with open(done, "w", encoding="utf-8") as f:
             for r in reqs:
                 f.write(json.dumps(completion_record(r, tokenizer)) + "\n")
     except BaseException:

@@ -46,7 +46,10 @@ def _generation_tag():
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: Optional[dict] = None, origin: str = "chat template"):
+    def __init__(self, source: Optional[str], special_tokens: Optional[dict] = None, origin: str = "chat template",
+                 missing: str = ""):
+        """`source` None: the folder has only other named templates (`tool_use`), and `missing` says why a chat
+        without tools cannot be rendered."""
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -62,12 +65,13 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            self._template = env.from_string(source)
+            self._template = env.from_string(source) if source is not None else None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{origin}: not a valid Jinja template ({e})") from None
         self.source = source
         self.origin = origin
-        self.takes_content_parts = _iterates_over_content(env, source)
+        self.missing = missing
+        self.takes_content_parts = source is not None and _iterates_over_content(env, source)
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.alternates: dict[str, "ChatTemplate"] = {}  # other named templates of the folder ("tool_use")
 
@@ -76,10 +80,10 @@ class ChatTemplate:
         """The prompt text for `messages`, ending with the assistant's turn opener. `tools`, `documents` and
         `kwargs` (a line's "chat_template_kwargs", e.g. enable_thinking) reach the template as transformers
         passes them; with tools, a folder's "tool_use" template renders instead of the default one."""
-        import jinja2
-
         if tools is not None and "tool_use" in self.alternates:
             return self.alternates["tool_use"].render(messages, add_generation_prompt, tools, documents, **kwargs)
+        if self._template is None:
+            raise ChatTemplateError(self.missing)
         messages = [_as_transformers_passes_it(m) for m in messages]
         if not self.takes_content_parts:
             messages = [_joined_text(m) for m in messages]
@@ -89,24 +93,43 @@ class ChatTemplate:
                                          documents=documents)
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        except Exception as e:  # whatever the template's code raises (1/0, a huge range(), deep recursion)
             raise ChatTemplateError(f"{self.origin} failed on these messages ({type(e).__name__}: {e})") from None
 
 
 def _iterates_over_content(env, source: str) -> bool:
-    """Whether the template loops over a message's content (`for part in message['content']`): it then takes
-    OpenAI content-part lists as they are; other templates expect a string, as vLLM detects it."""
+    """Whether the template loops over a message's content (`for part in message['content']`, also through a
+    slice, a filter, a `set` alias or a macro's parameter): it then takes OpenAI content-part lists as they are;
+    other templates expect a string, as vLLM detects it."""
     from jinja2 import nodes
 
-    for loop in env.parse(source).find_all(nodes.For):
-        it = loop.iter
-        while isinstance(it, nodes.Filter) and it.node is not None:  # for p in m.content | selectattr(...)
-            it = it.node
-        if isinstance(it, nodes.Getattr) and it.attr == "content":
-            return True
-        if isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content":
-            return True
-    return False
+    def unwrap(n):
+        while True:
+            if isinstance(n, nodes.Filter) and n.node is not None:  # m.content | selectattr(...)
+                n = n.node
+            elif isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Slice):  # m.content[1:]
+                n = n.node
+            else:
+                return n
+
+    def is_content(n, aliases) -> bool:
+        n = unwrap(n)
+        return (isinstance(n, nodes.Getattr) and n.attr == "content") or (
+            isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Const) and n.arg.value == "content") or (
+            isinstance(n, nodes.Name) and n.name in aliases)
+
+    tree = env.parse(source)
+    macros = {m.name: [a.name for a in m.args] for m in tree.find_all(nodes.Macro)}
+    aliases: set = set()
+    for _ in range(3):  # aliases of aliases
+        for a in tree.find_all(nodes.Assign):
+            if isinstance(a.target, nodes.Name) and is_content(a.node, aliases):
+                aliases.add(a.target.name)
+        for call in tree.find_all(nodes.Call):
+            params = macros.get(call.node.name, []) if isinstance(call.node, nodes.Name) else []
+            aliases.update(p for p, arg in zip(params, call.args) if is_content(arg, aliases))
+            aliases.update(kw.key for kw in call.kwargs if kw.key in params and is_content(kw.value, aliases))
+    return any(is_content(loop.iter, aliases) for loop in tree.find_all(nodes.For))
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # names of a turn's reasoning; the first is standard
@@ -128,29 +151,49 @@ def _joined_text(message: dict) -> dict:
     return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
-def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
+# the special tokens of the classes transformers 5 builds folders as (LlamaTokenizer over a SentencePiece BPE file,
+# Qwen2Tokenizer and GPT2Tokenizer over a byte-level one) when the folder names none: a template's {{ bos_token }}
+# still renders them. A folder transformers reads as saved (TokenizersBackend) has no defaults.
+CLASS_SPECIAL_TOKENS = {
+    "LlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+    "Qwen2Tokenizer": {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    "GPT2Tokenizer": {"unk_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
+}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ChatTemplateError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ChatTemplateError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def _special_tokens(folder: Path, config: dict, tokenizer_class: Optional[str]) -> dict:
+    """The special tokens as transformers 5 gives them to a template: tokenizer_config.json's; for a folder
+    saved without "added_tokens_decoder" (older checkpoints), special_tokens_map.json's replace them; what
+    neither names is the default of the class transformers builds (`tokenizer_class`: LlamaTokenizer's "<s>")."""
+    special = {k: config[k] for k in SPECIAL_TOKENS if k in config}
+    special_map = folder / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and special_map.is_file():
+        special.update({k: v for k, v in _read_json(special_map).items() if k in SPECIAL_TOKENS})
+    defaults = CLASS_SPECIAL_TOKENS.get(tokenizer_class or "", {})
+    return {k: _token_text(special[k]) if k in special else defaults.get(k) for k in SPECIAL_TOKENS}
+
+
+def load_chat_template(folder: str | Path, tokenizer_class: Optional[str] = None) -> Optional[ChatTemplate]:
     """The folder's default chat template, or None; its `alternates` hold the folder's other named templates
     (`tool_use`). As transformers reads them: chat_template.jinja and additional_chat_templates/*.jinja when
-    present, else tokenizer_config.json's "chat_template" (a string, or a list of named templates)."""
+    present, else tokenizer_config.json's "chat_template" (a string, or a list of named templates). Every file
+    is read as UTF-8 (templates hold tokens like DeepSeek's "<｜User｜>"), whatever the locale. `tokenizer_class`:
+    the class transformers builds the folder's tokenizer as (`tokenizer_class_built`), whose defaults fill the
+    special tokens the folder does not name."""
     folder = Path(folder)
     config_file = folder / "tokenizer_config.json"
-    config: dict = {}
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ChatTemplateError(f"{config_file}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise ChatTemplateError(f"{config_file}: expected a JSON object at the top level")
-    special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
-    special_map = folder / "special_tokens_map.json"  # older checkpoints name them only there (transformers reads both)
-    if any(v is None for v in special.values()) and special_map.is_file():
-        try:
-            mapped = json.loads(special_map.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ChatTemplateError(f"{special_map}: not valid JSON ({e})") from None
-        if isinstance(mapped, dict):
-            special = {k: v if v is not None else _token_text(mapped.get(k)) for k, v in special.items()}
+    config: dict = _read_json(config_file) if config_file.is_file() else {}
+    special = _special_tokens(folder, config, tokenizer_class)
     named: dict[str, tuple[str, str]] = {}  # name -> (source, origin)
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
@@ -168,15 +211,23 @@ def load_chat_template(folder: str | Path) -> Optional[ChatTemplate]:
         files.update({f.stem: f for f in sorted(extra_dir.glob("*.jinja"))})
     where = f"{config_file}: field 'chat_template'"
     if any(f.is_file() for f in files.values()):
-        named = {name: (f.read_text(), str(f)) for name, f in files.items() if f.is_file()}
+        named = {}
+        for name, f in files.items():
+            if f.is_file():
+                try:
+                    named[name] = (f.read_text(encoding="utf-8"), str(f))
+                except (OSError, UnicodeDecodeError) as e:
+                    raise ChatTemplateError(f"{f}: cannot be read as UTF-8 text ({e})") from None
         where = f"{folder}: chat_template.jinja and {extra_dir.name}/"
     if not named:
         return None
-    if "default" not in named:
-        raise ChatTemplateError(f"{where} lists templates {sorted(named)} but none named 'default' (the "
-                                f"template for chats without tools)")
-    src, origin = named.pop("default")
-    default = ChatTemplate(src, special, origin)
+    if "default" in named:
+        src, origin = named.pop("default")
+        default = ChatTemplate(src, special, origin)
+    else:  # only named ones (tool_use): chats with tools render; others cannot, as in transformers
+        default = ChatTemplate(None, special, where, missing=(
+            f"{where} holds only the templates {sorted(named)} and none named 'default' (the template for chats "
+            f"without tools); give this chat \"tools\", or add a default template"))
     default.alternates = {name: ChatTemplate(text, special, where) for name, (text, where) in named.items()}
     return default
 

@@ -76,7 +76,7 @@ def _overrides(hydra: Optional[Path]) -> dict[str, str]:
     if hydra is None:
         return {}
     try:
-        items = yaml.safe_load((hydra / "overrides.yaml").read_text()) or []
+        items = yaml.safe_load((hydra / "overrides.yaml").read_text(encoding="utf-8")) or []
     except (OSError, yaml.YAMLError):
         return {}
     return _parse_overrides(items)
@@ -140,11 +140,11 @@ def ran_with(job: Job, key: str) -> str:
     from hydra.yaml, else the value in metrics.json's config, else the one in config.yaml, which holds
     interpolations (${...}) unresolved, so those are never shown; "" when none says."""
     def choice():
-        hydra_cfg = yaml.safe_load((job.hydra / "hydra.yaml").read_text()) or {}
+        hydra_cfg = yaml.safe_load((job.hydra / "hydra.yaml").read_text(encoding="utf-8")) or {}
         return ((hydra_cfg.get("hydra") or {}).get("runtime") or {}).get("choices", {})
 
     for source in (choice, lambda: _leaves((job.metrics or {}).get("config")),
-                   lambda: _leaves(yaml.safe_load((job.hydra / "config.yaml").read_text()))):
+                   lambda: _leaves(yaml.safe_load((job.hydra / "config.yaml").read_text(encoding="utf-8")))):
         try:
             value = source().get(key)
         except (OSError, yaml.YAMLError, TypeError, AttributeError):
@@ -161,7 +161,7 @@ def newest_sweep_size(sweep_dir: Path) -> Optional[int]:
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        hydra = (yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {}).get("hydra") or {}
+        hydra = (yaml.safe_load((sweep_dir / "multirun.yaml").read_text(encoding="utf-8")) or {}).get("hydra") or {}
         sweeper = hydra.get("sweeper") or {}
         if "BasicSweeper" not in str(sweeper.get("_target_", "")) or \
                 (hydra.get("sweep") or {}).get("subdir", "${hydra.job.num}") != "${hydra.job.num}":
@@ -180,7 +180,7 @@ def newest_sweep_size(sweep_dir: Path) -> Optional[int]:
 def job_number(job_dir: Path, hydra: Optional[Path]) -> Optional[int]:
     """The job's number in its sweep (hydra.job.num), or its folder's name when that is a number."""
     try:
-        return int(yaml.safe_load((hydra / "hydra.yaml").read_text())["hydra"]["job"]["num"])
+        return int(yaml.safe_load((hydra / "hydra.yaml").read_text(encoding="utf-8"))["hydra"]["job"]["num"])
     except Exception:
         return int(job_dir.name) if job_dir.name.isdigit() else None
 
@@ -364,7 +364,7 @@ def rows(jobs: list[Job], varied: list[str]) -> tuple[list[str], list[list]]:
 
 
 def write_csv(path: Path, header: list[str], table: list[list]) -> None:
-    with open(path, "w", newline="") as f:
+    with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(header)
         w.writerows([["" if v is None else v for v in r] for r in table])
@@ -448,7 +448,7 @@ def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Jo
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "report.csv", header, table)
     md = markdown(header, table, fixed, best, varied, older_note(sweep_dir, older))
-    (out / "report.md").write_text(md)
+    (out / "report.md").write_text(md, encoding="utf-8")
     plot(out / "report.png", jobs, varied, best)
     return jobs, md
 

@@ -141,6 +141,13 @@ def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_typ
     return ("metaspace", "always" if tokenizer_config.get("legacy") else "first")
 
 
+def tokenizer_class_built(pipeline: Optional[tuple]) -> Optional[str]:
+    """The class transformers 5 builds a folder's tokenizer as, from `transformers_pipeline`'s answer (None: it
+    reads the file as saved, TokenizersBackend)."""
+    return {"metaspace": "LlamaTokenizer", "qwen2": "Qwen2Tokenizer", "gpt2": "GPT2Tokenizer"}.get(
+        pipeline[0]) if pipeline else None
+
+
 def rebuild_as(tok, pipeline: tuple) -> None:
     """Give a `tokenizers.Tokenizer` the normalizer, pre-tokenizer and decoder that transformers 5 gives the
     class `transformers_pipeline` named."""

@@ -37,7 +37,7 @@ HELDOUT = Path(__file__).resolve().parent / "assets" / "prompts" / "heldout.json
 def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Optional[int]) -> list[dict]:
     """Returns [{"prompt": str} | {"error": str}] in input order; a bad line becomes a per-request error."""
     if prompts_file is None and prompt_set == "heldout":
-        items = [{"prompt": json.loads(line)["prompt"]} for line in HELDOUT.read_text().splitlines() if line]
+        items = [{"prompt": json.loads(line)["prompt"]} for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line]
     elif prompts_file is None:
         items = [{"prompt": p} for p in PROMPT_SETS[prompt_set]]
     else:

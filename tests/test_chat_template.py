@@ -119,9 +119,10 @@ def test_special_tokens_named_only_in_special_tokens_map(tmp_path):
 def test_named_templates_pick_default(tmp_path):
     folder = model_folder(tmp_path, [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": QWEN}])
     assert encode_chat(ours(folder), CHATS[0])[0].startswith("<|im_start|>user\n")
-    only_tools = model_folder(tmp_path / "b", [{"name": "tool_use", "template": "TOOLS"}])
-    with pytest.raises(ChatTemplateError, match=r"lists templates \['tool_use'\] but none named 'default'"):
-        load_chat_template(only_tools)
+    only_tools = ours(model_folder(tmp_path / "b", [{"name": "tool_use", "template": "TOOLS{{ tools | length }}"}]))
+    assert encode_chat(only_tools, CHATS[0], tools=TOOLS)[0] == "TOOLS1"  # as transformers picks tool_use
+    with pytest.raises(ChatTemplateError, match=r"holds only the templates \['tool_use'\] and none named 'default'"):
+        encode_chat(only_tools, CHATS[0])  # a chat without tools: no template for it, as in transformers
 
 
 def test_bad_chats_fail_only_their_request(tmp_path):
@@ -276,3 +277,112 @@ def test_tools_pick_the_tool_use_template(tmp_path):
     (files / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
     assert encode_chat(ours(files), CHATS[1], tools=TOOLS)[0] == encode_chat(tok, CHATS[1], tools=TOOLS)[0]
     assert encode_chat(ours(files), CHATS[1])[0] == encode_chat(tok, CHATS[1])[0]
+
+
+@pytest.mark.parametrize("body", ["{{ 1 // 0 }}", "{% for i in range(10**6) %}{% endfor %}",
+                                  "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"],
+                         ids=["zero-division", "huge-range", "recursion"])
+def test_a_template_whose_code_fails_fails_only_its_chat(tmp_path, body):
+    """Whatever a template's code raises while rendering (not only Jinja's own errors) is that chat's error;
+    it stopped the whole run, plain prompts and other chats included."""
+    template = "{% if messages[0].content == 'boom' %}" + body + "{% endif %}" + QWEN
+    tok = ours(model_folder(tmp_path, template))
+    items = [{"messages": [{"role": "user", "content": "boom"}]}, {"messages": CHATS[0]}, {"prompt": "plain"}]
+    reqs = make_requests(items, tok, 8, 4096, tok.vocab_size)
+    assert [r.finish_reason for r in reqs] == ["error", None, None]
+    assert "failed on these messages" in reqs[0].error
+
+
+PART_LOOPS = {  # templates that loop over a message's parts, though not as `for p in message.content`
+    "macro": ("{% macro show(content) %}{% if content is string %}{{ content }}{% else %}{% for p in content %}"
+              "[{{ p.text }}]{% endfor %}{% endif %}{% endmacro %}"
+              "{% for m in messages %}<|start|>{{ m.role }}<|end|>{{ show(m.content) }}<|eot|>{% endfor %}"),
+    "alias": ("{% for m in messages %}{% set c = m['content'] %}<|start|>{{ m.role }}<|end|>{% if c is string %}"
+              "{{ c }}{% else %}{% for p in c %}{{ p.text }}{% if not loop.last %} | {% endif %}{% endfor %}"
+              "{% endif %}<|eot|>{% endfor %}"),
+    "slice": ("{% for m in messages %}<|start|>{{ m.role }}<|end|>{% if m.content is string %}{{ m.content }}"
+              "{% else %}{% for p in m.content[0:] %}({{ p.text }}){% endfor %}{% endif %}<|eot|>{% endfor %}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PART_LOOPS))
+def test_content_parts_reach_templates_that_loop_over_them_through_a_macro_alias_or_slice(tmp_path, name):
+    transformers = pytest.importorskip("transformers")
+    template = PART_LOOPS[name] + "<|start|>assistant<|end|>"
+    folder = model_folder(tmp_path, template)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<|bos|>",
+                                              eos_token="<|eot|>", chat_template=template)
+    text, _ = encode_chat(ours(folder), PARTS)
+    assert text == hf.apply_chat_template(PARTS, tokenize=False, add_generation_prompt=True)
+    assert "2+2?" in text and "Show work." in text and "2+2?\nShow work." not in text  # not joined first
+
+
+SHOW_SPECIALS = "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ pad_token }}|{{ messages[0].content }}"
+
+
+@pytest.mark.parametrize("case", ["llama-class-defaults", "qwen2-class-defaults", "byte-level-llama-class-no-defaults",
+                                  "map-overrides-config", "added-tokens-decoder-ignores-map"])
+def test_special_tokens_reach_the_template_as_transformers_gives_them(tmp_path, case):
+    """A template's {{ bos_token }} and the others: the defaults of the class transformers builds the tokenizer as
+    when the folder names none (a Llama-2 template lost its "<s>"; none for a file it reads as saved), and
+    special_tokens_map.json over tokenizer_config.json in a folder saved without added_tokens_decoder
+    (transformers' legacy path), not in one saved with it."""
+    transformers = pytest.importorskip("transformers")
+    from test_tokenizer import llama2_style
+
+    from specpipe.models.hf import load_tokenizer
+    from specpipe.models.llama import LlamaConfig
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    config: dict = {"chat_template": SHOW_SPECIALS}
+    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    if case == "llama-class-defaults":
+        llama2_style(folder / "tokenizer.json")
+        config["tokenizer_class"] = "LlamaTokenizerFast"
+    else:
+        byte_bpe_tokenizer(folder / "tokenizer.json")
+    if case == "qwen2-class-defaults":
+        config.update(tokenizer_class="Qwen2TokenizerFast", eos_token="<|im_end|>")
+        raw["model_type"] = "qwen2"
+    elif case == "byte-level-llama-class-no-defaults":
+        config["tokenizer_class"] = "LlamaTokenizerFast"  # transformers reads a byte-level file as saved
+    elif case != "llama-class-defaults":
+        config.update(bos_token="<|bos|>", eos_token="<|eot|>")
+        (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+        if case == "added-tokens-decoder-ignores-map":
+            config["added_tokens_decoder"] = {}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(raw))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    cfg = LlamaConfig(vocab_size=600, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                      num_key_value_heads=1, intermediate_size=8)
+    tok = load_tokenizer(folder, cfg, raw)
+    chat = [{"role": "user", "content": "hi"}]
+    text, _ = encode_chat(tok, chat)
+    assert text == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    expected = {"llama-class-defaults": "<s>|</s>|<unk>||hi", "qwen2-class-defaults": "|<|im_end|>|<|endoftext|>|"
+                "<|endoftext|>|hi", "byte-level-llama-class-no-defaults": "||||hi",
+                "map-overrides-config": "<|bos|>|<|end|>|||hi",
+                "added-tokens-decoder-ignores-map": "<|bos|>|<|eot|>|||hi"}[case]
+    assert text == expected
+
+
+def test_templates_with_non_ascii_text_load_in_any_locale(tmp_path):
+    """Templates and tokenizer configs are UTF-8 (DeepSeek's "<｜User｜>"); under LC_ALL=C every chat failed, or
+    the model load crashed when the template was chat_template.jinja."""
+    import os
+    import subprocess
+    import sys
+
+    template = "{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}<｜Assistant｜>"
+    for jinja_file in (False, True):
+        folder = model_folder(tmp_path / str(jinja_file), template, jinja_file)
+        code = ("import sys; from specpipe.chat_template import load_chat_template; "
+                "t = load_chat_template(sys.argv[1]); "
+                "print(ascii(t.render([{'role': 'user', 'content': 'hi'}])))")
+        env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONUTF8="0", PYTHONIOENCODING="ascii")
+        p = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.strip() == ascii("<｜User｜>hi<｜Assistant｜>")

@@ -45,7 +45,7 @@ def read_config(folder: str | Path) -> dict:
         raise CheckpointError(f"{file}: {why}; a model folder needs config.json (the Hugging Face model config) "
                               f"next to its safetensors weights")
     try:
-        raw = json.loads(file.read_text())
+        raw = json.loads(file.read_text(encoding="utf-8"))
         assert isinstance(raw, dict), "expected a JSON object at the top level"
     except (json.JSONDecodeError, UnicodeDecodeError, AssertionError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
@@ -231,7 +231,7 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
 def indexed_shards(folder: Path, index: Path, kind: str) -> list[Path]:
     """The shard files an HF index (`weight_map`: tensor -> file) lists, all present."""
     try:
-        wmap = json.loads(index.read_text()).get("weight_map")
+        wmap = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise CheckpointError(f"{index}: not a valid {kind} index ({e})") from None
     if not isinstance(wmap, dict) or not wmap:
@@ -410,7 +410,7 @@ def generation_config(folder: Path) -> dict:
     if not gen.is_file():
         return {}
     try:
-        raw = json.loads(gen.read_text())
+        raw = json.loads(gen.read_text(encoding="utf-8"))
         assert isinstance(raw, dict), "expected a JSON object"
     except (OSError, ValueError, AssertionError) as e:
         raise CheckpointError(f"{gen}: not a valid generation config ({e})") from None
@@ -520,9 +520,11 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
                               f"'specpipe_tokenizer' field; copy tokenizer.json from the model's Hugging Face repo "
                               f"into {folder}")
     from specpipe.chat_template import ChatTemplateError, load_chat_template
+    from specpipe.tokenizer import tokenizer_class_built
 
     try:  # a broken template fails only the requests that give "messages"
-        tok.chat_template, tok.chat_template_error = load_chat_template(folder), None
+        tok.chat_template, tok.chat_template_error = load_chat_template(
+            folder, tokenizer_class_built(getattr(tok, "pipeline", None))), None
     except ChatTemplateError as e:
         tok.chat_template, tok.chat_template_error = None, str(e)
     if tok.vocab_size > cfg.vocab_size:
