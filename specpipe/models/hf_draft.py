@@ -8,7 +8,7 @@ from torch import nn
 
 from specpipe.models.eagle import EagleHead
 from specpipe.models.eagle3 import Eagle3Head
-from specpipe.models.hf import (CheckpointError, fill, finish, parse_config, read_config, read_tensors,
+from specpipe.models.hf import (CheckpointError, _int_field, fill, finish, parse_config, read_config, read_tensors,
                                 weight_files)
 from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -95,7 +95,12 @@ def _aux_layers(raw: dict, file: Path, n: int):
     def ints(aux, lo, hi):
         return isinstance(aux, list) and aux and all(isinstance(i, int) and not isinstance(i, bool)
                                                      and lo <= i <= hi for i in aux)
-    aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    eagle_config = raw.get("eagle_config")
+    if eagle_config is not None and not isinstance(eagle_config, dict):
+        raise CheckpointError(f"{file}: field 'eagle_config' is {eagle_config!r}; expected an object such as "
+                              f'{{"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}} (or leave it out for the '
+                              f"EAGLE-3 default layers)")
+    aux = (eagle_config or {}).get("eagle_aux_hidden_state_layer_ids")
     if aux is not None:
         if not ints(aux, 0, n - 1):
             raise CheckpointError(f"{file}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is {aux!r}; "
@@ -143,7 +148,8 @@ def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Hea
         raise CheckpointError(f"{file}: field 'hidden_size' is {cfg.hidden_size} and the head has no "
                               f"embed_tokens.weight of its own, so it would embed tokens with the target's table, whose "
                               f"width is {tc.hidden_size}; a head of another width needs its own embeddings")
-    th = raw.get("target_hidden_size") or tc.hidden_size
+    th = _int_field(raw, "target_hidden_size", file, default=tc.hidden_size) if raw.get("target_hidden_size") \
+        is not None else tc.hidden_size
     if th != tc.hidden_size:
         raise CheckpointError(f"{file}: field 'target_hidden_size' is {th} but the target has hidden_size="
                               f"{tc.hidden_size}")

@@ -200,3 +200,17 @@ def test_a_wider_head_without_its_own_embeddings_is_named_as_such(setup, tmp_pat
     target, _, sd = setup
     with pytest.raises(CheckpointError, match="hidden_size' is 96 and the head has no embed_tokens.weight"):
         load_draft(_write(tmp_path / "w", {**_config(), "hidden_size": 96, "target_hidden_size": H}, sd), target)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("eagle_config", [1], r"field 'eagle_config' is \[1\]; expected an object"),
+    ("eagle_config", "x", r"field 'eagle_config' is 'x'; expected an object"),
+    ("target_hidden_size", float(H), rf"'target_hidden_size' must be a positive integer, got {float(H)}"),
+    ("target_hidden_size", str(H), rf"'target_hidden_size' must be a positive integer, got '{H}'"),
+])
+def test_config_fields_of_the_wrong_type_are_named(setup, tmp_path, field, value, message):
+    """A list for eagle_config crashed the load with AttributeError, a float target_hidden_size with a TypeError from
+    torch, and a string one gave "is 64 but the target has hidden_size=64"."""
+    target, _, sd = setup
+    with pytest.raises(CheckpointError, match=message):
+        load_draft(_write(tmp_path / "bad", {**_config(), field: value}, sd), target)
