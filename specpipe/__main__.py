@@ -66,7 +66,7 @@ def hydra_main(cfg: DictConfig) -> float:
     if multirun:
         clear_outputs(out_dir)
     try:
-        result = run(cfg, out_dir=out_dir)
+        result = run(cfg, out_dir=out_dir, overrides=overrides)
     except KeyboardInterrupt:
         if multirun:  # Ctrl-C ends the whole sweep (finished jobs keep their files)
             raise

@@ -395,9 +395,11 @@ def leaked_slots(allocator) -> int:
 
 
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
-        items: Optional[list[dict]] = None, on_step=None, keep: Optional[dict] = None) -> dict:
+        items: Optional[list[dict]] = None, on_step=None, keep: Optional[dict] = None,
+        overrides: Optional[list] = None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
-    `on_step(requests)` is called after every decode step (see `run_requests`). `keep`: a dict the caller carries
+    `on_step(requests)` is called after every decode step (see `run_requests`). `overrides`: the command line's
+    (a sweep job's point), recorded in metrics.json so a report tells jobs apart without Hydra's .hydra folder. `keep`: a dict the caller carries
     from one run to the next (the API's calls), so state meant to outlive a run (the suffix cache) does.
 
     Decoding never touches torch's global random stream, which is the caller's (a training loop's dropout and
@@ -505,6 +507,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         summary["draft_cache"] = {"tokens": len(cache), "capacity": cache.capacity, "texts_added": cache.texts_added}
     summary["model_loads_in_process"] = MODEL_LOADS[0]  # 1 in every job of an in-process sweep: weights reused
     summary["config"] = to_container(job_cfg)
+    if overrides is not None:
+        summary["overrides"] = list(overrides)
     from specpipe.report_console import print_summary
 
     if out_dir is not None:

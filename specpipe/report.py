@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from typing import Optional
 import yaml
 
 from specpipe.schema import is_number
-from specpipe.sweep import NOT_RUN_KEYS, metrics_problem, objective, read_json_object
+from specpipe.sweep import NOT_RUN_KEYS, metrics_problem, objective, read_json_object, within_latency_limit
 
 METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_verify_steps", "recompiles", "wall_s")
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
@@ -52,8 +53,8 @@ class Job:
 
     @property
     def within_limit(self) -> Optional[bool]:
-        p90 = (self.metrics or {}).get("step_latency_ms_p90")
-        return None if self.limit is None or p90 is None else p90 <= self.limit
+        return None if self.limit is None else within_latency_limit((self.metrics or {}).get("step_latency_ms_p90"),
+                                                                    self.limit)
 
 
 def _natural(name: str) -> list:
@@ -82,12 +83,14 @@ def _overrides(hydra: Optional[Path]) -> dict[str, str]:
     return _parse_overrides(items)
 
 
-def _error_overrides(job_dir: Path) -> dict[str, str]:
-    """key -> value from the overrides a failed job recorded in its error.json (sweep.write_error): its point when
-    Hydra saved no overrides.yaml (hydra.output_subdir=null). Values are written as the config's would be
-    ("0.5" for "0.50"), so they compare with the finished jobs' settings."""
-    err, _ = read_json_object(job_dir / "error.json")
-    items = (err or {}).get("overrides")
+def _error_overrides(job_dir: Path, metrics: Optional[dict] = None) -> dict[str, str]:
+    """key -> value from the overrides a job recorded, in metrics.json (a finished job) or error.json (a failed one,
+    sweep.write_error): its point when Hydra saved no overrides.yaml (hydra.output_subdir=null). Values are
+    written as the config's would be ("0.5" for "0.50"), so they compare with the finished jobs' settings."""
+    items = (metrics or {}).get("overrides")
+    if not isinstance(items, list):
+        err, _ = read_json_object(job_dir / "error.json")
+        items = (err or {}).get("overrides")
     if not isinstance(items, list):
         return {}
     out = {}
@@ -177,6 +180,40 @@ def newest_sweep_size(sweep_dir: Path) -> Optional[int]:
     return math.prod(counts.values())
 
 
+def newest_sweep_points(sweep_dir: Path, most: int = 100_000) -> Optional[list[dict]]:
+    """The newest sweep's points (key -> value as Hydra parses it), from its multirun.yaml, as the basic sweeper
+    makes them; None when that cannot be told (as newest_sweep_size). A job folder whose overrides are none of them
+    is an earlier sweep's: a re-sweep stopped by Ctrl-C leaves the jobs it did not reach as they were."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        hydra = (yaml.safe_load((sweep_dir / "multirun.yaml").read_text(encoding="utf-8")) or {}).get("hydra") or {}
+        sweeper = hydra.get("sweeper") or {}
+        if "BasicSweeper" not in str(sweeper.get("_target_", "")):
+            return None
+        task = [str(o) for o in ((hydra.get("overrides") or {}).get("task") or [])]
+        params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items() if v is not None]
+        values: dict[str, list] = {}
+        for o in OverridesParser.create().parse_overrides(params + task):
+            key = o.get_key_element().lstrip("+~")
+            if key == "resume":
+                continue
+            values[key] = [hydra_value(key, v) for v in o.sweep_string_iterator()] if o.is_sweep_override() \
+                else [o.value()]
+        if math.prod(len(v) for v in values.values()) > most:
+            return None
+        return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+    except Exception:
+        return None
+
+
+def _parsed_overrides(hydra: Optional[Path]) -> Optional[dict]:
+    """A job's overrides.yaml as key -> value as Hydra parses it (None without one)."""
+    if hydra is None:
+        return None
+    return {k: hydra_value(k, v) for k, v in _overrides(hydra).items()}
+
+
 def job_number(job_dir: Path, hydra: Optional[Path]) -> Optional[int]:
     """The job's number in its sweep (hydra.job.num), or its folder's name when that is a number."""
     try:
@@ -192,13 +229,16 @@ def _mtime(p: Path) -> float:
         return float("-inf")
 
 
-def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int] = None) -> tuple[list[Job], int]:
+def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int] = None,
+              points: Optional[list] = None) -> tuple[list[Job], int]:
     """(every job dir under sweep_dir of the newest sweep, how many an earlier sweep left there).
 
     A job dir has metrics.json, error.json or a Hydra folder (hydra_dir). The leftovers of an earlier, longer
-    sweep into the same folder are the jobs numbered `size` (the newest sweep's job count) or more; a sweep
-    still running (the failure summary) also knows when it started: a job dir it did not write since then is
-    older. (File times alone would not do for a report: a copied or cloned folder has them in any order.)
+    sweep into the same folder are the jobs numbered `size` (the newest sweep's job count) or more, and those
+    whose overrides are none of the newest sweep's `points` (newest_sweep_points: a stopped re-sweep leaves the
+    jobs it did not reach); a sweep still running (the failure summary) also knows when it started: a job dir it
+    did not write since then is older. (File times alone would not do for a report: a copied or cloned folder has
+    them in any order.)
     """
     dirs = {p.parent for p in sweep_dir.rglob("metrics.json")} | {p.parent for p in sweep_dir.rglob("error.json")}
     dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml")
@@ -213,12 +253,20 @@ def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int]
                                        *([h / "overrides.yaml"] if h else []))) >= since
 
     kept = [(d, h) for d, h in found if newest(d, h)]
+    if points is not None:  # (when no job is one of the points, the points are what is wrong: keep them all)
+        ours = [(d, h) for d, h in kept if h is None or _parsed_overrides(h) in points]
+        kept = ours if ours else kept
     jobs, told = [], []  # told: the overrides each job's error.json recorded (for jobs without overrides.yaml)
     for d, h in kept:
         overrides = _overrides(h)
         metrics, err = job_state(d, overrides)
         jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", overrides, metrics, err, h))
-        told.append({} if h is not None else _error_overrides(d))
+        told.append({} if h is not None else _error_overrides(d, metrics))
+    recorded = [t for (_, h), t in zip(kept, told) if h is None]
+    if recorded and all(recorded):  # every job without a Hydra folder recorded its point: read as overrides.yaml
+        for j, (_, h), t in zip(jobs, kept, told):
+            if h is None:
+                j.overrides = dict(t)
     keys = {k for j in jobs for k in j.overrides}
     if not keys:  # no overrides.yaml (hydra.output_subdir=null): the settings that differ between finished jobs,
         configs = [_leaves(j.metrics.get("config")) for j in jobs if j.metrics]  # and the failed jobs' points
@@ -378,7 +426,8 @@ def _escaped(value: str) -> str:
 def older_note(sweep_dir: Path, older: int) -> str:
     """Says that older job dirs were left out (find_jobs), and how to see them; "" when none were."""
     return (f"Left out: {older} older job dir(s) in {sweep_dir}, numbered past the jobs of its newest sweep "
-            "(multirun.yaml): the leftovers of an earlier, longer sweep into the same folder; "
+            "(multirun.yaml) or run with overrides that are none of its points: the leftovers of an earlier sweep "
+            "into the same folder (a longer one, or one the newest sweep was stopped before it replaced); "
             f"`python -m specpipe.report {sweep_dir} --all` reports them too.") if older else ""
 
 
@@ -440,7 +489,8 @@ def plot(path: Path, jobs: list[Job], varied: list[str], best: Job) -> None:
 def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Job], str]:
     """Write report.csv, report.md and report.png for sweep_dir (its newest sweep's jobs, unless every_job)
     into out; (jobs fastest first, markdown)."""
-    jobs, older = find_jobs(sweep_dir, size=None if every_job else newest_sweep_size(sweep_dir))
+    jobs, older = find_jobs(sweep_dir, size=None if every_job else newest_sweep_size(sweep_dir),
+                            points=None if every_job else newest_sweep_points(sweep_dir))
     jobs = sort_jobs(jobs)
     varied, fixed = varied_keys(jobs)
     header, table = rows(jobs, varied)
@@ -490,7 +540,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="also report the job dirs older than the newest sweep in SWEEP_DIR (an earlier sweep's)")
     args = ap.parse_args(argv)
     size = None if args.every_job else newest_sweep_size(args.sweep_dir)
-    jobs, older = find_jobs(args.sweep_dir, size=size) if args.sweep_dir.is_dir() else ([], 0)
+    points = None if args.every_job else newest_sweep_points(args.sweep_dir)
+    jobs, older = find_jobs(args.sweep_dir, size=size, points=points) if args.sweep_dir.is_dir() else ([], 0)
     if not any(j.metrics is not None for j in jobs):
         print(no_metrics_message(args.sweep_dir, jobs, older), file=sys.stderr)
         sys.exit(2)

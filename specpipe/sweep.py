@@ -62,8 +62,10 @@ def read_json_object(path: Path) -> tuple[Optional[dict], Optional[str]]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        how = "truncated" if e.pos >= len(text.rstrip()) else "invalid"
-        return None, f"{path.name} is unreadable ({how} JSON: {e.msg} at line {e.lineno} column {e.colno})"
+        cut = e.pos >= len(text.rstrip()) or (e.msg.startswith("Unterminated string") and '"' not in text[e.pos + 1:])
+        msg = e.msg.removesuffix(" at")  # ("Unterminated string starting at")
+        return None, (f"{path.name} is unreadable ({'truncated' if cut else 'invalid'} JSON: {msg} at line {e.lineno} "
+                      f"column {e.colno})")
     except RecursionError:
         return None, f"{path.name} is unreadable (JSON nested too deeply)"
     if not isinstance(value, dict):
@@ -71,15 +73,25 @@ def read_json_object(path: Path) -> tuple[Optional[dict], Optional[str]]:
     return value, None
 
 
+def _finite(v) -> bool:
+    """math.isfinite for any JSON number: an integer too large for a float (10**400) is not finite either."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def metrics_problem(m: dict, keys=("tokens_per_s", "step_latency_ms_p90")) -> Optional[str]:
     """Why a metrics.json object cannot be a finished job's metrics (None when it can): tokens_per_s must be a
     finite number, every other key of `keys` it holds a number or null, and its config an object."""
-    if not is_number(m.get("tokens_per_s")) or not math.isfinite(m["tokens_per_s"]):
+    if not is_number(m.get("tokens_per_s")) or not _finite(m["tokens_per_s"]):
         return ("metrics.json has no tokens_per_s" if m.get("tokens_per_s") is None else
                 f"metrics.json has tokens_per_s={json.dumps(m['tokens_per_s'])[:40]}, not a finite number")
-    for k in keys:
+    for k in (*keys, "accept_length_mean"):
         if m.get(k) is not None and not is_number(m[k]):
             return f"metrics.json has {k}={json.dumps(m[k])[:40]}, not a number"
+        if is_number(m.get(k)) and not math.isnan(m[k]) and not _finite(m[k]):
+            return f"metrics.json has {k}={json.dumps(m[k])[:40]}, not a finite number"
     cfg = m.get("config", {})
     if not isinstance(cfg, dict):
         return f"metrics.json has a config that is {_kind(cfg)}, not an object"
@@ -251,9 +263,15 @@ def objective(metrics: dict, latency_limit_ms: Optional[float]) -> float:
     """
     tps = float(metrics.get("tokens_per_s") or 0.0)
     p90 = metrics.get("step_latency_ms_p90")
-    if latency_limit_ms is None or p90 is None or math.isnan(p90) or p90 <= latency_limit_ms:
+    if latency_limit_ms is None or within_latency_limit(p90, latency_limit_ms):
         return tps
     return -float(p90) / max(float(latency_limit_ms), 1e-9)
+
+
+def within_latency_limit(p90, limit: float) -> bool:
+    """Whether a job kept the limit: a job with no step latency (no decode step after the prefill, e.g.
+    max_new_tokens=1) has nothing over it. The objective and the report's column both ask this."""
+    return p90 is None or (is_number(p90) and (math.isnan(p90) or p90 <= limit))
 
 
 MAX_TREE_TOKENS = 16  # num_draft_tokens ceiling for searches: verify cost grows with it on every device

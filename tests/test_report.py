@@ -70,6 +70,10 @@ DAMAGED = {  # job -> (file, contents, what the report must say about it)
     "7": ("metrics.json", b"", "metrics.json is empty"),
     "8": ("metrics.json", b'{"tokens_per_s": "fast"}', "tokens_per_s=\"fast\", not a finite number"),
     "9": ("error.json", b"garbage{", "failed: error.json is unreadable (invalid JSON"),
+    "11": ("metrics.json", b'{"tokens_per_s": 1' + b"0" * 400 + b"}", "tokens_per_s=1000000000000000000000000000000000000000"
+           ", not a finite number"),  # an integer no float holds: it crashed the report with an OverflowError
+    "12": ("metrics.json", b'{"tokens_per_s": 1.0, "config": {"mod', "metrics.json is unreadable (truncated JSON: "
+           "Unterminated string starting at line 1 column 34)"),
 }
 
 
@@ -87,7 +91,7 @@ def test_damaged_job_files_are_reported_with_what_is_wrong(tmp_path, capsys):
         assert says in table[name]["error"], table[name]["error"]
         assert table[name]["error"] != UNFINISHED
     assert "Best: job 1" in (sweep / "report.md").read_text()
-    assert "11 jobs (8 without metrics)" in capsys.readouterr().out
+    assert "13 jobs (10 without metrics)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["file", "under_a_file"])
@@ -388,3 +392,65 @@ def test_override_values_read_as_hydra_reads_them():
     assert hydra_value("a", "010") == "010" and hydra_value("a", "0x10") == "0x10"  # YAML 1.1: 8 and 16
     assert hydra_value("a", "1e3") == 1000.0 and hydra_value("a", "true") is True and hydra_value("a", "[1,2]") == [1, 2]
     assert hydra_value("a", "compile(x") == "compile(x"  # unparsable: the text
+
+
+def test_a_stopped_re_sweep_leaves_out_the_earlier_sweeps_jobs_it_did_not_reach(tmp_path, capsys):
+    """A re-sweep into the folder of an earlier one of the same size, stopped by Ctrl-C before job 1: job 1 still
+    holds the earlier sweep's overrides and results, which are none of the newest sweep's points (multirun.yaml),
+    so they are left out (and said to be) rather than reported as the new sweep's job 1."""
+    sweep = tmp_path / "sweep"
+    (sweep / "multirun.yaml").parent.mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": None},
+        "overrides": {"task": ["draft.num_steps=2,3", "workload.max_new_tokens=200", "resume=true"]}}}))
+    for name, overrides, tps in (("0", ["draft.num_steps=2", "workload.max_new_tokens=200", "resume=true"], 5.0),
+                                 ("1", ["draft.topk=2", "workload.max_new_tokens=8"], 9.0)):  # the earlier sweep's
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        (sweep / name / "metrics.json").write_text(finished(tps, {}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["job"] for r in table] == ["0"] and "draft.topk" not in table[0]
+    assert "1 older job dir(s)" in (sweep / "report.md").read_text()
+    main([str(sweep), "--all"])
+    with open(sweep / "report.csv") as f:
+        assert [r["job"] for r in csv.DictReader(f)] == ["1", "0"]
+
+
+def test_without_a_hydra_folder_a_swept_group_is_one_column_from_the_recorded_overrides(tmp_path):
+    """hydra.output_subdir=null: finished jobs record their point in metrics.json ("overrides"), failed ones in
+    error.json, so a swept group (draft=none,eagle) is one `draft` column for every row, not the finished jobs'
+    draft.* settings beside a `draft` column only the failed jobs fill."""
+    sweep = tmp_path / "sweep"
+    for name, draft, ok in (("0", "none", False), ("1", "none", True), ("2", "eagle", False), ("3", "eagle", True)):
+        (sweep / name).mkdir(parents=True)
+        overrides = [f"draft={draft}", f"allocator.num_slots={4096 if ok else 8}", "seed=0"]
+        if ok:
+            config = {"draft": {"method": draft, "topk": 1 if draft == "none" else 4}, "seed": 0}
+            (sweep / name / "metrics.json").write_text(json.dumps({**json.loads(finished(5.0 + int(name), config)),
+                                                                   "overrides": overrides}))
+        else:
+            (sweep / name / "error.json").write_text(json.dumps({"error": "specpipe: too small", "overrides": overrides}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert {j: (r["draft"], r["allocator.num_slots"]) for j, r in table.items()} == {
+        "3": ("eagle", "4096"), "1": ("none", "4096"), "0": ("none", "8"), "2": ("eagle", "8")}
+    assert not [k for k in table["3"] if k.startswith("draft.")]
+    assert "Fixed in every job: `seed=0`" in (sweep / "report.md").read_text()
+
+
+def test_a_job_without_step_latency_is_within_the_limit_in_the_column_as_in_the_best_line(tmp_path):
+    """max_new_tokens=1 makes no decode step, so no p90: the objective (and the Best line) count the job as within
+    the limit, and the column said nothing (blank) while the slower jobs said "no"."""
+    sweep = tmp_path / "sweep"
+    for name, p90, tps in (("0", None, 9.0), ("1", 50.0, 20.0)):
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(f"- workload.max_new_tokens={1 if p90 is None else 8}\n")
+        m = json.loads(finished(tps, {"latency_limit_ms": 10.0}))
+        (sweep / name / "metrics.json").write_text(json.dumps({**m, "step_latency_ms_p90": p90}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        assert {r["job"]: r["within_latency_limit"] for r in csv.DictReader(f)} == {"1": "no", "0": "yes"}
+    assert "Best: job 0 (workload.max_new_tokens=1), 9.0 tokens/s\n" in (sweep / "report.md").read_text()

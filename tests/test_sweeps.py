@@ -56,6 +56,10 @@ def test_in_process_multirun_loads_weights_once_and_reports(tmp_path, capsys):
     assert [m["model_loads_in_process"] for m in ms] == [1, 1, 1, 1]  # one load, reused by the next three jobs
     shapes = {(m["config"]["draft"]["topk"], m["config"]["allocator"]["page_size"]) for m in ms}
     assert shapes == {(1, 1), (1, 16), (2, 1), (2, 16)}
+    for m in ms:  # each job's point is in its metrics.json (the report's source without a .hydra folder)
+        point = {"draft.topk": m["config"]["draft"]["topk"], "allocator": m["config"]["allocator"]["page_size"]}
+        assert f"draft.topk={point['draft.topk']}" in m["overrides"] and "model=random_tiny" in m["overrides"]
+        assert ("allocator=paged" if point["allocator"] == 16 else "allocator=token") in m["overrides"]
     report_main([str(sweep)])
     lines = (sweep / "report.csv").read_text().splitlines()
     assert lines[0].startswith("job,draft.topk,allocator,tokens_per_s") and len(lines) == 5
