@@ -152,7 +152,9 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
                 more = {"launcher": "joblib, ray or slurm", "sweeper": "optuna"}.get(kind, "joblib, ray, slurm, optuna")
                 return (f"specpipe: invalid override {group}={opt}: there is no {kind} '{opt}'{have}; the optional "
                         f"extras ({more}) add plugins, e.g. pip install -e '.[{more.split(',')[0]}]'.")
-            return (f"specpipe: invalid override {group}={opt}: the plugin for '{opt}' is not installed{have}. "
+            typed = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == group), opt)
+            what = f"{group}={typed}" if typed == opt else f"{group}={typed} (it extends '{opt}')"
+            return (f"specpipe: invalid override {what}: the plugin for '{opt}' is not installed{have}. "
                     f"Install the optional extra first: pip install -e '.[{extra}]'.")
         valid = group_options(group, dirs)
         if not valid:

@@ -61,6 +61,8 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
          (["draft.tøpk=1"], "the key 'draft.tøpk' holds a character keys cannot have"),
          (["draft.topk =1"], "the key 'draft.topk ' holds a character keys cannot have"),
          (["hydra/launcher=ray"], "pip install -e '.[ray]'"),
+         (["hydra/launcher=ray_local"], "hydra/launcher=ray_local (it extends 'ray'): the plugin for 'ray' is not "
+                                        "installed"),
          (["-m", "hydra.launcher.n_jobs=2", "draft.topk=1,2"], "'hydra.launcher.n_jobs' is not a setting of the "
                                                                "launcher in use"),
          (["hydra.run.dir={file}/sub"], "which is a file; outputs need a folder"),
