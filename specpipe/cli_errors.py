@@ -178,13 +178,8 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
         kind = plugin.split(".")[1]
         chosen = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(f"hydra/{kind}=")), None)
         if chosen is not None:
-            try:
-                rest = [o for o in overrides if not o.lstrip("+~").startswith(f"hydra.{kind}.")]
-                node = compose_config(rest, hydra=True).hydra[kind]
-                keys = sorted(k for k in node.keys() if k != "_target_")
-            except Exception:
-                keys = []
-            hint = f" (valid keys there: {', '.join(keys)})" if keys else ""
+            rest = [o for o in overrides if not o.lstrip("+~").startswith(f"hydra.{kind}.")]
+            hint = keys_hint(rest, f"hydra.{kind}")
             return (f"specpipe: invalid override: '{plugin}' is not a setting of hydra/{kind}={chosen}{hint}; "
                     f"`python -m specpipe --cfg hydra -p hydra.{kind} hydra/{kind}={chosen}` lists them with their "
                     f"values.")
@@ -253,6 +248,19 @@ def hide_schemas_from_completion() -> None:
 
     options._specpipe = True
     ConfigLoaderImpl.get_group_options = options
+
+
+def keys_hint(overrides: list[str], node: str) -> str:
+    """" (valid keys there: a, b)" for the config node at dotted `node` composed with `overrides`; "" when it
+    cannot be told."""
+    from omegaconf import OmegaConf
+
+    try:
+        found = OmegaConf.select(compose_config(overrides, hydra=node.startswith("hydra")), node)
+        keys = sorted(k for k in found.keys() if k != "_target_")
+    except Exception:
+        keys = []
+    return f" (valid keys there: {', '.join(keys)})" if keys else ""
 
 
 def hydra_options(group: str) -> list[str]:
@@ -566,11 +574,7 @@ def preset_problem(msg: str, from_preset: list[str], base) -> str:
     name = base.hydra.runtime.choices.get("sweep") or "?"
     group = key.split(".")[0]
     chosen = base.hydra.runtime.choices.get(group)
-    try:
-        valid = sorted(k for k in compose_config([f"{group}={chosen}"])[group].keys() if k != "_target_")
-    except Exception:
-        valid = []
-    hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
+    hint = keys_hint([f"{group}={chosen}"], group)
     return (f"specpipe: invalid override {group}={chosen}: the ready sweep sweep={name} sweeps {key}, which is not "
             f"a setting of {group}={chosen}{hint}; keep the sweep's own {group} option, or sweep {group}={chosen}'s "
             f"keys yourself (python -m specpipe -m {group}={chosen} {group}.KEY=v1,v2).")
