@@ -87,8 +87,11 @@ def test_a_compiled_model_forward_is_reused_by_later_api_calls():
     """The model timer's hooks were registered afresh for every run, and a compiled branch that calls the model
     guards on its hook dicts: every generate() call (and in-process sweep job) recompiled each compiled model
     forward, and after Dynamo's recompile limit of 8 the branch quietly ran eager."""
+    import torch._dynamo
+
     from specpipe import SpecPipe
 
+    torch._dynamo.reset()  # graphs another test compiled for these forwards would serve the first call too
     sp = SpecPipe("model=random_tiny", "device.num_threads=1",  # weight_layout=auto: decided once per loaded model
                   f"compile.verify.target_forward={AOT}", f"compile.draft_forward.decode={AOT}")
     first = sp.generate(["def f(x):", "abc"], max_new_tokens=6, seed=0)
@@ -158,18 +161,33 @@ def test_a_compiled_draft_extend_with_sliding_window_layers_does_not_recompile_p
     assert out["metrics"]["recompiles"] <= 2, out["metrics"]["recompiles"]
 
 
-def test_a_branch_past_dynamos_recompile_limit_is_reported(prompts_file, monkeypatch):
+def test_a_branch_past_dynamos_recompile_limit_is_reported(prompts_file):
     """Past its recompile limit Dynamo runs a branch eager and compiles nothing more, so `recompiles` alone read as
     if all were well; recompile_limit_hits counts it (the fused top-k needs a graph per step kind, 3 > 1 here)."""
     import torch._dynamo
 
     from specpipe.app import run
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
     path = prompts_file(["abc de=()\n" * 2, "x = (a"])
     base = ["model=random_tiny", f"workload.prompts_file={path}", "workload.max_new_tokens=8"]
-    m = run(compose(*base, "compile=whole", f"compile.draft_topk.later={AOT}"), quiet=True)["metrics"]
+    with torch._dynamo.config.patch(recompile_limit=1):  # (pytest's monkeypatch deletes a config key on undo)
+        m = run(compose(*base, "compile=whole", f"compile.draft_topk.later={AOT}"), quiet=True)["metrics"]
     assert m["recompile_limit_hits"] >= 1
     assert run(compose(*base), quiet=True)["metrics"]["recompile_limit_hits"] == 0
     torch._dynamo.reset()
+
+
+def test_a_compiled_draft_extend_at_batch_1_does_not_recompile_when_the_context_outgrows_head_dim(prompts_file,
+                                                                                                 monkeypatch):
+    """random_tiny's head_dim is 16, as was the mask width of the first decode round: duck sizing gave both one
+    symbol, index_copy_ into the head_dim pinned it, and the extend recompiled once the context passed 16 tokens
+    (a mask 32 wide). Real models meet it when a width bucket equals their head_dim (64, 128)."""
+    path = prompts_file(["def f(x):", "import os\nimport sys\n\nclass Foo:\n    def __init__(self, a, b):\n",
+                         "x = 1", "for i in range(10):\n    print(i)\n", "# a longer comment line\nreturn"])
+    cfg = compose("model=random_tiny", f"workload.prompts_file={path}", "workload.batch_size=1",
+                  "workload.max_new_tokens=24", f"compile.draft_forward.extend={AOT_FULL}")
+    seen = run_watched(monkeypatch, cfg)
+    graphs = seen["graphs"]
+    assert graphs[WARMUP_STEPS - 1] > seen["graphs_before"]
+    assert graphs[-1] == graphs[WARMUP_STEPS - 1], f"graph count per step: {graphs}"

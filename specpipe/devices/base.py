@@ -200,6 +200,12 @@ class Device:
             # to call: left to automatic dynamic shapes they recompiled mid-run and in later runs, and inductor
             # failed to generate code for the draft extend ("name 's27' is not defined")
             kwargs["dynamic"] = True
+        # no duck sizing: two sizes equal when traced (a mask width of 16 and a head_dim of 16) share a symbol, so a
+        # guard that pins one (index_copy_ into the head_dim) pinned the mask width too, which recompiled mid-run
+        # once the context passed it
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False
         compiled = torch.compile(fn, **kwargs)
         return compiled if kwargs.get("mode") == "reduce-overhead" else BatchGeneric(fn, compiled)
 
