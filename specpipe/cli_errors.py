@@ -101,6 +101,13 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
             if typed is not None and typed != val:  # 1e3 is read as the float 1000.0
                 shown += f" (read as {val})"
             return f"specpipe: invalid value for {key}: {shown} is not {kind}; give {key}=<{kind}>."
+    typed = re.search(r"Invalid type assigned: \w+ is not a subclass of \w+\. value: (.*?)\s+full_key: ([\w.]+)",
+                      str(cause) if cause is not None else msg, re.S)
+    if typed:  # a plain value for a node that holds settings (compile.draft_topk=compile)
+        val, key = typed.groups()
+        hint = keys_hint([], key)
+        return (f"specpipe: invalid override {key}={val}: {key} holds several settings{hint}, not one value; set "
+                f"one of them ({key}.KEY=VALUE).")
     outer = re.search(r"Could not override '([^']+)'", msg)
     inner = re.search(r"Key '[^']+' (?:is )?not in .*full_key: ([\w.]+)", str(cause), re.S) if cause else None
     if outer and inner and inner.group(1).startswith(outer.group(1) + "."):
@@ -116,7 +123,9 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
         return (f"specpipe: invalid override {no_eq!r}: overrides are key=value (e.g. draft.topk=4) or "
                 f"group=option (e.g. allocator=paged); `python -m specpipe --help` lists the groups.")
     m = re.search(r"Config group override must be a string or a list", msg)
-    null = next((o for o in overrides if o.split("=", 1)[-1] in ("null", "None", "~")), None)
+    null = next((o for o in overrides if o.split("=", 1)[-1] in ("null", "None", "~")), None) or next(
+        (o for o in overrides if "=" in o and group_options(o.split("=", 1)[0].lstrip("+"), dirs)
+         and not isinstance(_parsed_value(o), (str, list))), None)
     if m and null is not None:
         group = null.split("=", 1)[0].lstrip("+")
         return (f"specpipe: invalid override {null}: config group '{group}' needs one of its options "
@@ -274,6 +283,16 @@ def hydra_options(group: str) -> list[str]:
         return sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list(group))
     except Exception:
         return []
+
+
+def _parsed_value(override: str):
+    """An override's value as Hydra parses it (3 is an int, null None); the text when it does not parse."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        return OverridesParser.create().parse_override(override).value()
+    except Exception:
+        return override.split("=", 1)[-1]
 
 
 def default_value(key: str, overrides: list[str]):

@@ -31,7 +31,7 @@ COMPILE_OPTIONS = {
     "backend": ("inductor", "aot_eager", "eager"),
 }
 _WORDS = {"true": True, "false": False, "none": None, "null": None}
-_TOKEN = re.compile(r"\s*(?:(?P<word>[A-Za-z_][\w-]*)|(?P<punct>[(),=])|(?P<bad>\S))")
+_TOKEN = re.compile(r"\s*(?:(?P<word>[A-Za-z_][\w-]*)|(?P<punct>[(),=])|(?P<bad>[^\s(),=]+|\S))")
 
 
 class PolicyError(ValueError):

@@ -92,6 +92,9 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
                                                 "(valid: config, myrun, withfoo)"),
          (["draft.topk=1e3"], "'1e3' (read as 1000.0) is not an integer"),
          (["-cd", "{myconf}", "+experiment=nope"], "config group 'experiment' has no option 'nope' (valid: badkey, foo)"),
+         (["compile.draft_topk=compile"], "compile.draft_topk holds several settings (valid keys there: first, fused, "
+                                          "later), not one value"),
+         (["workload=3"], "invalid override workload=3: config group 'workload' needs one of its options"),
          (["hydra/launcher=jobib"], "there is no launcher 'jobib' (valid here: basic, joblib"),
          (["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobz=2", "draft.topk=1,2"],
           "'hydra.launcher.n_jobz' is not a setting of hydra/launcher=joblib (valid keys there: backend")]

@@ -61,6 +61,8 @@ def test_policy_str_is_canonical():
     ("compile(dynamic=true))", ")", ["unexpected ')' after 'compile(dynamic=true)'"]),
     ("eager eager", "eager", ["unexpected 'eager' after 'eager'"]),
     ("compile;", ";", ["unexpected ';' after 'compile'"]),
+    ("123", "123", ["unknown mode '123'"]),  # named whole, not by its first digit
+    ("compile(dynamic=12)", "12", ["'12' is not a valid value for dynamic"]),
 ])
 def test_parse_errors_point_at_the_bad_token(text, bad, words):
     with pytest.raises(PolicyError) as e:
