@@ -16,6 +16,7 @@ CLI's one-paragraph message.
 from __future__ import annotations
 
 import atexit
+import numbers
 import queue
 import threading
 import weakref
@@ -261,7 +262,7 @@ def prompt_item(p: Any, n: int) -> dict:
         p = {k: v.tolist() if hasattr(v, "tolist") and not isinstance(v, (str, bytes)) else
              list(v) if isinstance(v, tuple) else v for k, v in p.items()}
     if not isinstance(p, dict):
-        hint = " (token ids go in a list of their own: [[1, 2, 3]])" if isinstance(p, int) else ""
+        hint = " (token ids go in a list of their own: [[1, 2, 3]])" if isinstance(p, numbers.Integral) else ""
         return {"error": f"prompt {n}: is {type(p).__name__} {str(p)[:40]!r}; a prompt is a string, a list of "
                          f"token ids, or a dict with \"prompt\", \"prompt_ids\" or \"messages\"{hint}", "prompt": ""}
     return parse_prompt_line(p, f"prompt {n}")
@@ -353,6 +354,9 @@ class SpecPipe:
                                 "decode them first (prompt.decode('utf-8'))")
         elif hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:  # a [N, T] array of ids
             prompts = prompts.tolist()
+        elif hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 1:  # [T] ids: one prompt; [N] texts
+            listed = prompts.tolist()
+            prompts = [listed] if listed and all(isinstance(t, int) for t in listed) else listed
         elif not isinstance(prompts, (list, tuple)):
             try:
                 prompts = list(prompts)  # a generator, a dataset column
@@ -407,7 +411,13 @@ class SpecPipe:
 
             run_seed = cfg.sampling.seed if cfg.sampling.get("seed") is not None else cfg.seed
             seed = run_seed if k == 0 else request_seed(run_seed, -k)
-        return OmegaConf.merge(cfg, {"sampling": {"seed": int(seed)}}), items, out_dir
+        cfg = OmegaConf.merge(cfg, {"sampling": {"seed": int(seed)}})
+        from specpipe.app import check_against_model
+        from specpipe.validate import validate
+
+        validate(cfg)  # what run() checks first (max_new_tokens against the context): before a stream's worker starts
+        check_against_model(cfg, self.pair)
+        return cfg, items, out_dir
 
     def _decode(self, cfg, items: list, out_dir, on_event, cancelled: Callable[[], bool] = lambda: False):
         from specpipe.app import run

@@ -302,12 +302,36 @@ def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
     else:
         raise ConfigError("draft=standalone needs draft.path=DIR: a small causal LM folder (config.json + "
                           "safetensors) with the same tokenizer as the target (see `make train-tiny` in the README)")
+    check_same_vocabulary(cfg.draft.path, pair.tokenizer)
     own, tokens = pair.standalone.config.vocab_size, pair.tokenizer.vocab_size
     if own < tokens:
         raise ConfigError(f"draft.path={cfg.draft.path!r}: the standalone draft's vocab_size {own} is smaller than "
                           f"the target's tokenizer ({tokens} tokens); it must share the target's tokenizer (a "
                           f"vocabulary padded to another size is fine)")
     pair.standalone.fit_vocab(pair.target.config.vocab_size)  # padded differently: score the target's ids
+
+
+def check_same_vocabulary(draft_path, tokenizer) -> None:
+    """A standalone draft proposes token ids: its folder's tokenizer.json must give each token the target's id (a
+    draft of another family, or a vocabulary trained apart, passed every size check and was never accepted)."""
+    target = getattr(tokenizer, "_tok", None)
+    theirs = Path(str(draft_path)) / "tokenizer.json" if draft_path is not None else None
+    if target is None or theirs is None or not theirs.is_file():
+        return
+    try:
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(theirs)).get_vocab(with_added_tokens=True)
+    except Exception:  # the draft's tokenizer is never used to encode: an unreadable one is not its problem
+        return
+    ours = target.get_vocab(with_added_tokens=True)
+    moved = sorted((i, t) for t, i in vocab.items() if t in ours and ours[t] != i)
+    if moved:
+        i, t = moved[0]
+        raise ConfigError(f"draft.path={str(draft_path)!r}: the standalone draft's tokenizer.json numbers tokens "
+                          f"otherwise than the target's ({len(moved)} of its {len(vocab)} tokens differ, e.g. {t!r} is "
+                          f"{i} there and {ours[t]} in the target's), so its proposals would name other tokens; use "
+                          f"a draft trained with the target's tokenizer (a smaller model of the same family)")
 
 
 def model_sampling(cfg: DictConfig, pair) -> tuple[DictConfig, str]:

@@ -118,6 +118,14 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
         return (f"specpipe: invalid override {odd_key!r}: the key {key!r} holds a character keys cannot have (a "
                 f"space, or a letter outside ASCII); keys are like draft.topk or allocator, and `python -m specpipe "
                 f"--cfg job` lists them.")
+    odd_value = next((o for o in overrides if "=" in o and o.split("=", 1)[1][:1] not in ("'", '"')
+                      and re.search(r"[^\x21-\x7e]|[()]", o.split("=", 1)[1])), None)
+    if ("LexerNoViableAltException" in msg or "mismatched input" in msg or "no viable alternative" in msg
+            or "extraneous input" in msg) and odd_value is not None and odd_key is None:
+        key, value = odd_value.split("=", 1)
+        return (f"specpipe: invalid override {odd_value!r}: its value holds a character the override grammar reads "
+                f"otherwise (a space, a letter outside ASCII, a parenthesis); quote the value, for the shell too: "
+                f"'{key}=\"{value}\"'.")
     no_eq = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
     if "missing EQUAL" in msg and no_eq is not None:
         return (f"specpipe: invalid override {no_eq!r}: overrides are key=value (e.g. draft.topk=4) or "
@@ -347,6 +355,13 @@ def expand_home(overrides: list[str]) -> list[str]:
     out = []
     for o in overrides:
         key, eq, value = o.partition("=")
+        if eq and not key.startswith("-") and value[:1] not in ("'", '"') and not re.fullmatch(r"[\w/.+@%:~-]*", value) \
+                and os.path.exists(os.path.expanduser(value)) and not ("'" in value and '"' in value):
+            # an existing file or folder whose name holds characters the override grammar reads otherwise (a
+            # space, a letter outside ASCII, parentheses, a comma): it can only mean that path, so quote it
+            quote = "'" if "'" not in value else '"'
+            out.append(f"{key}={quote}{os.path.expanduser(value)}{quote}")
+            continue
         if eq and not key.startswith("-") and "~" in value:
             fn = re.fullmatch(r"(choice|sort|shuffle)\((.*)\)", value, re.S)
             parts = items(value)

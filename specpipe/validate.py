@@ -206,10 +206,10 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"workload.prompt_set={w.prompt_set!r} is unknown (valid: {', '.join(PROMPT_SETS)})")
     if w.prompts_file == "-":  # standard input, read when the run starts
         pass
-    elif w.prompts_file is not None and not Path(w.prompts_file).is_file():
+    elif w.prompts_file is not None and (not Path(w.prompts_file).exists() or Path(w.prompts_file).is_dir()):
         errors.append(f"workload.prompts_file={w.prompts_file!r} is not a readable file (give a JSON-lines "
                       f'file with one {{"prompt": "..."}} per line)')
-    elif w.prompts_file is not None and Path(w.prompts_file).stat().st_size == 0:
+    elif w.prompts_file is not None and Path(w.prompts_file).is_file() and Path(w.prompts_file).stat().st_size == 0:
         errors.append(f"workload.prompts_file={w.prompts_file!r} is empty (give one "
                       f'{{"prompt": "..."}} object per line)')
     a = cfg.allocator

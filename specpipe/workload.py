@@ -115,6 +115,8 @@ def near_miss(key, obj: dict) -> Optional[str]:
     if not isinstance(key, str) or key in KNOWN_FIELDS or len(key) <= 4:
         return None
     spelt = _spelt(key)
+    if spelt in ("stop_token_id", "stop_id", "stop_ids"):  # ("prompt_id" is a dataset's identifier column)
+        return "stop_token_ids"
     if spelt.endswith(("id", "idx", "uid", "_n", "num", "number", "count")):  # an identifier or a count of one
         return None
     useful = [f for f in KNOWN_FIELDS if f not in UNSUPPORTED_FIELDS and (f not in CHAT_FIELDS or "messages" in obj)]
@@ -153,7 +155,11 @@ def not_unicode(value, field: str = "") -> Optional[str]:
 
 def parse_prompt_line(obj, where) -> dict:
     """See `_parse_prompt_line`; a request refused for another field keeps its prompt text in its completion."""
-    item = _parse_prompt_line(obj, where)
+    try:
+        item = _parse_prompt_line(obj, where)
+    except RecursionError:  # a value nested thousands deep (an API dict; a file's line fails in json.loads)
+        n = where if isinstance(where, str) else f"line {where}"
+        return {"error": f"{n}: nested too deeply to read", "prompt": ""}
     if "error" in item and isinstance(obj, dict) and isinstance(obj.get("prompt"), str) \
             and not_unicode(obj["prompt"]) is None:
         item["prompt"] = obj["prompt"]
@@ -208,13 +214,13 @@ def _parse_prompt_line(obj, where) -> dict:
             own[key] = int(d[key]) if key == "top_k" else float(d[key])
     if own:
         extra["sampling"] = own
-    for key in LIMIT_FIELDS:  # this request's own limit (<= the run's); OpenAI's names too
-        if key in d:
+    for key in LIMIT_FIELDS:  # this request's own limit (<= the run's); OpenAI's names too (null: the run's)
+        if d.get(key) is not None:
             m = d[key]
             if not is_int(m) or m < 1:
                 return {"error": f'{n}: "{key}" must be an integer >= 1, got {m!r}', "prompt": ""}
             if extra.get("max_new_tokens", m) != m:
-                given = [k for k in LIMIT_FIELDS if k in d]
+                given = [k for k in LIMIT_FIELDS if d.get(k) is not None]
                 return {"error": f'{n}: "{given[0]}" and "{key}" disagree; give one', "prompt": ""}
             extra["max_new_tokens"] = int(m)
     if d.get("stop_token_ids") is not None:  # vLLM's: ids that end the request as EOS does, besides the model's
@@ -224,7 +230,7 @@ def _parse_prompt_line(obj, where) -> dict:
                              f'{show(ids)}', "prompt": ""}
         if ids:
             extra["stop_token_ids"] = [int(t) for t in ids]
-    if "stop" in d:
+    if d.get("stop") is not None:  # (null, as OpenAI clients send it: no stop strings of its own)
         why = check_stop(d["stop"])
         if why:
             return {"error": f"{n}: {why}", "prompt": ""}
@@ -259,7 +265,8 @@ def read_stdin() -> bytes:
 
     if not _STDIN:
         if sys.stdin is None or sys.stdin.isatty():
-            raise InputError("workload.prompts_file='-' reads the prompts from standard input, which is a terminal "
+            what = "closed" if sys.stdin is None else "a terminal"
+            raise InputError(f"workload.prompts_file='-' reads the prompts from standard input, which is {what} "
                              "here; pipe a JSON-lines file in: python -m specpipe workload.prompts_file=- < "
                              "prompts.jsonl")
         _STDIN.append(sys.stdin.buffer.read())
@@ -269,11 +276,30 @@ def read_stdin() -> bytes:
     return _STDIN[0]
 
 
+def is_json_array(raw: bytes) -> bool:
+    """Whether the whole file is one JSON array (of prompts written as a .json file, not JSON lines)."""
+    if not raw.lstrip().startswith(b"["):
+        return False
+    try:
+        return isinstance(json.loads(raw), list)
+    except (ValueError, RecursionError):
+        return False
+
+
+_PIPES: dict[str, bytes] = {}  # a pipe's bytes (<(zcat p.jsonl.gz), /dev/stdin, a FIFO), read once: every job sees them
+
+
+def read_pipe(p: Path) -> bytes:
+    if str(p) not in _PIPES:
+        _PIPES[str(p)] = p.read_bytes()
+    return _PIPES[str(p)]
+
+
 def read_prompts_file(path: str) -> list[dict]:
     """`path` "-" reads standard input (`... | python -m specpipe workload.prompts_file=-`)."""
     p = Path(path)
     try:
-        raw = read_stdin() if path == "-" else p.read_bytes()
+        raw = read_stdin() if path == "-" else p.read_bytes() if p.is_file() or not p.exists() else read_pipe(p)
     except FileNotFoundError:
         raise InputError(f"workload.prompts_file={path!r} does not exist (give a JSON-lines file with one "
                          f'{{"prompt": "..."}} object per line, or leave it unset for the built-in prompts)') from None
@@ -295,14 +321,22 @@ def read_prompts_file(path: str) -> list[dict]:
             not_json += 1
             items.append({"error": f"line {n}: not valid JSON ({e.msg})", "prompt": ""})
             continue
+        except RecursionError:
+            items.append({"error": f"line {n}: JSON nested too deeply to read", "prompt": ""})
+            continue
+        not_json += not isinstance(obj, dict)  # a number, a string, an array: not a prompt's object either
         items.append(parse_prompt_line(obj, n))
     if not items:
         raise InputError(f"workload.prompts_file={path!r} holds no prompts (only blank lines); give one "
                          f'{{"prompt": "..."}} object per line')
+    if next(line for line in raw.split(b"\n") if line.strip()).strip() == b"[" or is_json_array(raw):
+        raise InputError(f"workload.prompts_file={path!r} holds a JSON array, not JSON lines (one object per line, no "
+                         f"brackets or commas between them); convert it once: python -c 'import json,sys; "
+                         f"[print(json.dumps(x)) for x in json.load(sys.stdin)]' < {Path(path).name} > prompts.jsonl")
     if not_json == len(items):  # plain text, CSV, ...: not one request's typo but the wrong format
         first = next(line for line in raw.split(b"\n") if line.strip())[:60].decode("utf-8", "replace")
         raise InputError(f"workload.prompts_file={path!r} is not a JSON-lines file: none of its {len(items)} "
-                         f"non-blank lines is UTF-8 JSON (the first reads {first!r}). Give one JSON object per line, "
+                         f"non-blank lines is a UTF-8 JSON object (the first reads {first!r}). Give one JSON object per line, "
                          f'e.g. {{"prompt": "def fib(n):"}} or {{"prompt_ids": [1, 2, 3]}}; to convert a '
                          f"one-prompt-per-line text file: python -c 'import json,sys; [print(json.dumps("
                          f'{{"prompt": l.rstrip(chr(10))}})) for l in sys.stdin]\' < prompts.txt > prompts.jsonl')

@@ -635,3 +635,26 @@ def test_api_misuse_is_named_before_anything_decodes(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     sp.generate(PROMPTS[:1], max_new_tokens=3, out_dir="~/runs/a")
     assert (tmp_path / "runs" / "a" / "metrics.json").exists() and not Path("~").exists()
+
+
+def test_arrays_of_ids_nested_values_and_stream_limits():
+    """A 1-D array of ids is one prompt (it became one prompt per id, each "is int64 '104'"); an int64 alone gets
+    the token-id hint; a dict prompt nested thousands deep fails alone (a RecursionError ended the call); stream()
+    refuses max_new_tokens past the model's context when called, not while iterating."""
+    import numpy as np
+    import torch
+
+    sp = SpecPipe(*BASE)
+    want = sp.generate([[104, 105]], max_new_tokens=3)[0].output_ids
+    assert [c.output_ids for c in sp.generate(np.array([104, 105]), max_new_tokens=3)] == [want]
+    assert [c.output_ids for c in sp.generate(torch.tensor([104, 105]), max_new_tokens=3)] == [want]
+    assert [c.prompt for c in sp.generate(np.array(["ab", "cd"]), max_new_tokens=1)] == ["ab", "cd"]
+    assert "[[1, 2, 3]]" in sp.generate([np.int64(5)], max_new_tokens=1)[0].error
+    deep = inner = {}
+    for _ in range(5000):
+        inner["m"] = {}
+        inner = inner["m"]
+    got = sp.generate([{"prompt": "a", "meta": deep}, "b"], max_new_tokens=2)
+    assert got[0].error == "prompt 0: nested too deeply to read" and got[1].error is None
+    with pytest.raises(SpecpipeError, match="max_new_tokens=1000000 leaves no room for a prompt"):
+        sp.stream(["a"], max_new_tokens=10 ** 6)

@@ -95,6 +95,8 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
          (["compile.draft_topk=compile"], "compile.draft_topk holds several settings (valid keys there: first, fused, "
                                           "later), not one value"),
          (["workload=3"], "invalid override workload=3: config group 'workload' needs one of its options"),
+         (["workload.prompts_file=/no/ünï p.jsonl"], "its value holds a character the override grammar reads otherwise "
+                                                    "(a space, a letter outside ASCII, a parenthesis); quote the value"),
          (["hydra/launcher=jobib"], "there is no launcher 'jobib' (valid here: basic, joblib"),
          (["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobz=2", "draft.topk=1,2"],
           "'hydra.launcher.n_jobz' is not a setting of hydra/launcher=joblib (valid keys there: backend")]
@@ -162,3 +164,16 @@ def test_shell_completion_offers_options_not_the_schemas_they_extend(tmp_path):
     offered = p.stdout.split()
     assert p.returncode == 0 and "draft=eagle" in offered and "draft=ngram" in offered, p.stderr[-2000:]
     assert not [o for o in offered if "base_" in o], offered
+
+
+@pytest.mark.parametrize("name", ["ünï p.jsonl", "a(1).jsonl", "a,b.jsonl", "a=b.jsonl"])
+def test_an_existing_path_with_characters_the_grammar_reads_is_taken_as_that_path(tmp_path, name):
+    """Hydra's lexer refused a path with a space, a non-ASCII letter or a parenthesis, and a comma made a sweep:
+    an existing file can only mean itself, so it is quoted for Hydra (a ~ path already was)."""
+    from specpipe.cli_errors import expand_home
+
+    path = tmp_path / name
+    path.write_text(json.dumps({"prompt": "a"}) + "\n")
+    args = expand_home([f"workload.prompts_file={path}"])
+    assert args == [f"workload.prompts_file='{path}'"]
+    assert precheck(SMALL + args) is None

@@ -382,3 +382,47 @@ def test_a_full_disk_loses_no_decoding_and_says_what_was_not_kept(tmp_path, pair
         run(cfg, out_dir=str(tmp_path / "b"), quiet=False, pair=pair)
     assert e.value.exit_code == 1 and "could not be written to" in str(e.value) and "No space left" in str(e.value)
     assert "tokens/s" in capsys.readouterr().out  # the summary of the finished run was printed first
+
+
+def test_prompt_files_as_users_write_them_by_mistake_or_by_openai_habit(tmp_path):
+    """null for a request's limit or stop strings means the run's (OpenAI clients send it); a line nested too deeply
+    for the JSON reader fails alone (it was a RecursionError ending the run); a JSON array, or a text file with a
+    number on one line, is the wrong format (exit 2), not a run of per-line errors; "stop_token_id" is noted."""
+    from specpipe.errors import InputError
+    from specpipe.workload import near_miss, read_prompts_file
+
+    path = tmp_path / "p.jsonl"
+    deep = '{"prompt": "a", "meta": ' + "[" * 5000 + "]" * 5000 + "}"
+    path.write_text(json.dumps({"prompt": "a", "max_tokens": None, "max_new_tokens": None, "stop": None}) + "\n"
+                    + deep + "\n" + json.dumps({"prompt": "b"}) + "\n")
+    items = read_prompts_file(str(path))
+    assert items[0] == {"prompt": "a", "where": "line 1"}
+    assert items[1]["error"] == "line 2: JSON nested too deeply to read" and items[2]["prompt"] == "b"
+    for name, text in (("a.json", '[\n  {"prompt": "a"},\n  {"prompt": "b"}\n]\n'),
+                       ("one.json", '[{"prompt": "a"}, {"prompt": "b"}]\n')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(InputError, match="holds a JSON array, not JSON lines"):
+            read_prompts_file(str(tmp_path / name))
+    (tmp_path / "p.txt").write_text("What is 2+2?\n42\nWrite a poem\n")
+    with pytest.raises(InputError, match="none of its 3 non-blank lines is a UTF-8 JSON object"):
+        read_prompts_file(str(tmp_path / "p.txt"))
+    assert near_miss("stop_token_id", {}) == "stop_token_ids" and near_miss("prompt_id", {}) is None
+
+
+def test_a_pipe_is_a_prompts_file_read_once_for_every_job(tmp_path):
+    """<(zcat prompts.jsonl.gz), /dev/stdin or a FIFO: "is not a readable file" refused them, and a pipe gives its
+    bytes once, so each job of an in-process sweep must get them from the first read."""
+    import os
+    import threading
+
+    from specpipe.validate import validate
+    from specpipe.workload import read_prompts_file
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "a"}\n{"prompt": "b"}\n'))
+    writer.start()
+    validate(compose("model=random_tiny", f"workload.prompts_file={fifo}"))  # no error, and nothing read
+    first = read_prompts_file(str(fifo))
+    writer.join(timeout=10)
+    assert [it["prompt"] for it in first] == ["a", "b"] and read_prompts_file(str(fifo)) == first

@@ -63,6 +63,10 @@ def _family(raw: dict, file: Path, draft: bool) -> str:
         return "qwen2" if "qwen2" in name else "mistral" if "mistral" in name else "llama"
     if arch is None and mt in TARGET_ARCHS.values():
         return mt
+    if "eagle" in str(arch).lower() or "eagle_config" in raw or "speculators_model_type" in raw:
+        raise CheckpointError(f"{file}: field 'architectures' is {raw.get('architectures')!r}: an EAGLE draft head, not "
+                              f"a whole model; give its folder as draft.path with draft=eagle (model.path, and "
+                              f"draft.path of draft=standalone, take a causal LM: {', '.join(TARGET_ARCHS)})")
     raise CheckpointError(f"{file}: field 'architectures' is {raw.get('architectures')!r}, an architecture specpipe "
                           f"cannot load (valid: {', '.join(TARGET_ARCHS)})")
 
@@ -381,6 +385,10 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32",
     raw = read_config(folder)
     cfg = parse_config(raw, folder / "config.json")
     tensors, origin = read_tensors(weight_files(folder), to_dtype(dtype))
+    eagle = "fc.weight" if "fc.weight" in tensors else next((n for n in tensors if n.startswith("midlayer.")), None)
+    if eagle is not None:
+        raise CheckpointError(f"{folder}: an EAGLE draft head (it holds '{eagle}'), not a whole model; give its folder as draft.path with draft=eagle (model.path, and "
+                              f"draft.path of draft=standalone, take a causal LM: {', '.join(TARGET_ARCHS)})")
     head, emb = tensors.get("lm_head.weight"), tensors.get("embed_tokens.weight")
     if cfg.tie_word_embeddings and head is not None and emb is not None and not torch.equal(head, emb):
         cfg.tie_word_embeddings = False  # a stored lm_head that differs is used, as transformers 5 does

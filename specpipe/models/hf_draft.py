@@ -20,6 +20,12 @@ def load_draft_folder(folder: Path, target: LlamaForCausalLM, dtype: torch.dtype
     raw = _from_speculators(raw, file)
     tensors, origin = read_tensors(weight_files(folder), dtype)
     arch = str(raw.get("architectures") or "").lower()
+    layers = {n.split(".")[1] for n in tensors if n.startswith("layers.") and n.count(".") > 1}
+    if "fc.weight" not in tensors and len(layers) > 1 and ("lm_head.weight" in tensors or "embed_tokens.weight"
+                                                           in tensors):
+        raise CheckpointError(f"{folder}: a whole causal LM ({len(layers)} decoder layers, no EAGLE 'fc' projection), "
+                              f"not an EAGLE head; to draft with a small LM of the target's tokenizer use draft="
+                              f"standalone draft.path={folder}, or give the EAGLE head's folder as draft.path")
     if "eagle3" in arch or any(n.startswith("midlayer.") for n in tensors):
         if not any(n.startswith("midlayer.") for n in tensors):  # vLLM's name for the one decoder layer
             for n in [n for n in tensors if n.startswith("layers.0.")]:

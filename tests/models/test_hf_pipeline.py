@@ -222,3 +222,47 @@ def test_a_standalone_draft_padded_to_another_vocab_size(make_hf_model, edit_con
         assert all(len(r.output_ids) == MAX_NEW and max(r.output_ids) < 316 for r in sampled["requests"])
     with pytest.raises(Exception, match="vocab_size 280 is smaller than the target's tokenizer \\(300 tokens\\)"):
         decode(small, "draft=standalone", f"draft.path={padded('v280', 280, 0)}")
+
+
+def test_a_standalone_draft_of_another_tokenizer_or_an_eagle_head_is_refused_by_name(make_hf_model, tmp_path):
+    """A draft whose tokenizer.json numbers tokens otherwise passed every size check and was never accepted; an
+    EAGLE head given as a standalone draft was "an architecture specpipe cannot load", and a whole LM given as an
+    EAGLE head "missing model.fc.weight", without saying which drafter takes it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    def tokenizer(folder, order):
+        tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(order)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.save(str(folder / "tokenizer.json"))
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    make_hf_model("llama", seed=31).save_pretrained(target)
+    make_hf_model("llama", seed=32).save_pretrained(draft)
+    tokenizer(target, alphabet)
+    tokenizer(draft, alphabet[1:] + alphabet[:1])  # the same tokens, numbered one apart
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+
+    def decode(*extra):
+        return run(compose("model=hf", f"model.path={target}", "workload.max_new_tokens=4",
+                           f"workload.prompts_file={prompts}", *extra), quiet=True)
+
+    from specpipe.errors import ConfigError
+    from specpipe.models.hf import CheckpointError, load_hf
+
+    with pytest.raises(ConfigError, match=r"standalone draft's tokenizer.json numbers tokens otherwise than the "
+                                          r"target's \(256 of its 256 tokens differ"):
+        decode("draft=standalone", f"draft.path={draft}")
+    tokenizer(draft, alphabet)
+    out = decode("draft=standalone", f"draft.path={draft}")  # the same numbering: fine
+    assert out["metrics"]["num_errors"] == 0, out["metrics"]["request_errors"]
+    head = tmp_path / "head"
+    save_eagle(random_head(load_hf(target).target, 33), head, dtype="float32")
+    with pytest.raises(CheckpointError, match=r"an EAGLE draft head .*, not a whole model; give its folder as draft.path "
+                                              r"with draft=eagle"):
+        decode("draft=standalone", f"draft.path={head}")
+    with pytest.raises(CheckpointError, match=r"a whole causal LM \(2 decoder layers, no EAGLE 'fc' projection\), not "
+                                              r"an EAGLE head; .*use draft=standalone"):
+        decode("draft=eagle", f"draft.path={draft}")
