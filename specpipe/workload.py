@@ -41,7 +41,7 @@ def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Opti
     elif prompts_file is None:
         items = [{"prompt": p} for p in PROMPT_SETS[prompt_set]]
     else:
-        items = read_prompts_file(prompts_file)
+        items = read_prompts_file(prompts_file, limit=num_prompts)
     return items[:num_prompts] if num_prompts is not None else items
 
 
@@ -251,7 +251,12 @@ def _parse_prompt_line(obj, where) -> dict:
     if stray:
         return {"error": f'{n}: "{stray[0]}" goes with "messages" (a chat), not with a plain prompt', "prompt": ""}
     if not isinstance(obj, dict) or "prompt" not in obj:
-        return {"error": f'{n}: missing the "prompt" field (or "prompt_ids", or "messages")', "prompt": ""}
+        import difflib
+
+        like = next((f'; did you mean "{m[0]}" for "{k}"?' for k in obj if isinstance(k, str) for m in
+                     [difflib.get_close_matches(_spelt(k), ["prompt", "prompt_ids", "messages"], n=1, cutoff=0.75)]
+                     if m), "")
+        return {"error": f'{n}: missing the "prompt" field (or "prompt_ids", or "messages"){like}', "prompt": ""}
     if not isinstance(obj["prompt"], str):
         return {"error": f'{n}: "prompt" must be a string', "prompt": ""}
     return {"prompt": obj["prompt"], **extra, "where": n}
@@ -295,8 +300,9 @@ def read_pipe(p: Path) -> bytes:
     return _PIPES[str(p)]
 
 
-def read_prompts_file(path: str) -> list[dict]:
-    """`path` "-" reads standard input (`... | python -m specpipe workload.prompts_file=-`)."""
+def read_prompts_file(path: str, limit: Optional[int] = None) -> list[dict]:
+    """`path` "-" reads standard input (`... | python -m specpipe workload.prompts_file=-`). `limit`: the lines
+    after that many prompts are not parsed (workload.num_prompts=5 of a million-line file)."""
     p = Path(path)
     try:
         raw = read_stdin() if path == "-" else p.read_bytes() if p.is_file() or not p.exists() else read_pipe(p)
@@ -308,7 +314,15 @@ def read_prompts_file(path: str) -> list[dict]:
                          "JSON-lines file") from None
     items, not_json = [], 0
     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors save one)
+    encoded = {b"\x1f\x8b": "gzip-compressed (give it as a pipe: workload.prompts_file=<(zcat FILE))",
+               b"\xff\xfe": "UTF-16 text (PowerShell's default; save it as UTF-8)",
+               b"\xfe\xff": "UTF-16 text (save it as UTF-8)"}.get(raw[:2])
+    if encoded:
+        raise InputError(f"workload.prompts_file={path!r} is {encoded}; specpipe reads UTF-8 JSON lines, one "
+                         f'{{"prompt": "..."}} object per line')
     for n, line in enumerate(raw.split(b"\n"), 1):
+        if limit is not None and len(items) >= limit and not_json < len(items):  # (all bad so far: the format check
+            break                                                                # below reads the whole file)
         if not line.strip():
             continue
         try:

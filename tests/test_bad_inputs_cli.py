@@ -149,7 +149,7 @@ def test_an_output_folder_that_is_a_file_exits_2(tmp_path):
 
 @pytest.mark.parametrize("content,fragment,early", [
     (b"", "is empty", True), (b"\n  \n\n", "holds no prompts", False),
-    (b"def f(x):\n\xff\xfe\nclass A:\n", "none of its 3 non-blank lines is UTF-8 JSON (the first reads 'def f(x):')",
+    (b"def f(x):\n\xff\xfe\nclass A:\n", "none of its 3 non-blank lines is a UTF-8 JSON object (the first reads 'def f(x):')",
      False)], ids=["empty", "blank-lines", "plain-text"])
 def test_a_prompts_file_without_prompts_exits_2(tmp_path, content, fragment, early):
     path = tmp_path / "prompts.jsonl"

@@ -426,3 +426,23 @@ def test_a_pipe_is_a_prompts_file_read_once_for_every_job(tmp_path):
     first = read_prompts_file(str(fifo))
     writer.join(timeout=10)
     assert [it["prompt"] for it in first] == ["a", "b"] and read_prompts_file(str(fifo)) == first
+
+
+def test_compressed_or_utf16_files_say_so_and_a_limit_stops_reading(tmp_path):
+    import gzip
+
+    from specpipe.errors import InputError
+    from specpipe.workload import load_prompts, read_prompts_file
+
+    line = json.dumps({"prompt": "a"}) + "\n"
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(line.encode()))
+    with pytest.raises(InputError, match=r"is gzip-compressed \(give it as a pipe"):
+        read_prompts_file(str(tmp_path / "p.jsonl.gz"))
+    (tmp_path / "p16.jsonl").write_bytes(line.encode("utf-16"))
+    with pytest.raises(InputError, match="is UTF-16 text"):
+        read_prompts_file(str(tmp_path / "p16.jsonl"))
+    (tmp_path / "many.jsonl").write_text(line * 3 + "{not json\n" * 1000)  # lines past the limit are not parsed
+    assert load_prompts(str(tmp_path / "many.jsonl"), "code", 3) == [{"prompt": "a", "where": f"line {n}"}
+                                                                     for n in (1, 2, 3)]
+    (tmp_path / "typo.jsonl").write_text(json.dumps({"promt": "a"}) + "\n")
+    assert read_prompts_file(str(tmp_path / "typo.jsonl"))[0]["error"].endswith('did you mean "prompt" for "promt"?')
