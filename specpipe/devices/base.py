@@ -113,6 +113,13 @@ def set_threads(num_threads: Optional[int]) -> None:
     there before a device set one, so an earlier job of an in-process sweep (or SpecPipe) does not leak into it;
     a count the user set since then is theirs and stays."""
     if num_threads is not None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if num_threads > cores and _THREADS_BEFORE[1:] != [num_threads]:  # (said once, not per sweep job)
+            import sys
+
+            print(f"specpipe: note: device.num_threads={num_threads} is more than the {cores} CPU core(s) this "
+                  f"process may use; torch's threads then wait on one another (a run can be many times slower): "
+                  f"use at most {cores}", file=sys.stderr)
         if not _THREADS_BEFORE:
             _THREADS_BEFORE[:] = [torch.get_num_threads(), num_threads]
         _THREADS_BEFORE[1] = num_threads

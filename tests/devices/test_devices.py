@@ -239,3 +239,24 @@ def test_cpu_device_sets_torch_threads_when_asked(monkeypatch):
         assert torch.get_num_threads() == before + 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_more_threads_than_cores_is_noted_once(capsys, monkeypatch):
+    """device.num_threads=1000 ran ~50x slower without a word: torch's threads wait on one another."""
+    import os
+
+    import torch
+
+    from specpipe.devices import base
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    before = torch.get_num_threads()
+    try:
+        base.set_threads(3)
+        base.set_threads(3)  # (a sweep's next job with the same setting)
+        base.set_threads(2)
+    finally:
+        base.set_threads(None)
+        torch.set_num_threads(before)
+    err = capsys.readouterr().err
+    assert err.count("device.num_threads=3 is more than the 2 CPU core(s)") == 1 and "num_threads=2" not in err
