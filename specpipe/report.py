@@ -31,6 +31,8 @@ METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_ver
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
 UNFINISHED = "unfinished: no metrics.json (interrupted, killed or still running; resume=true re-runs it)"
 RERUN = "resume=true re-runs it"
+STRAY = ("not one of the newest sweep's points (multirun.yaml): most likely an earlier sweep's job that the newest "
+         "one, stopped, did not reach; not ranked (--all ranks every job)")
 HYDRA_FILES = ("overrides.yaml", "config.yaml", "hydra.yaml")  # what Hydra saves in a job's hydra.output_subdir
 
 
@@ -64,12 +66,13 @@ def _natural(name: str) -> list:
 def hydra_dir(job_dir: Path) -> Optional[Path]:
     """The job's Hydra folder: .hydra, or the folder hydra.output_subdir named instead (one holding overrides.yaml,
     config.yaml and hydra.yaml); None when Hydra saved none (hydra.output_subdir=null)."""
-    if (job_dir / ".hydra" / "overrides.yaml").is_file():
-        return job_dir / ".hydra"
     try:
-        return next((d for d in sorted(job_dir.iterdir()) if all((d / f).is_file() for f in HYDRA_FILES)), None)
+        found = [d for d in sorted(job_dir.iterdir()) if d.name == ".hydra" and (d / "overrides.yaml").is_file()
+                 or all((d / f).is_file() for f in HYDRA_FILES)]
     except OSError:
         return None
+    # a re-sweep with another hydra.output_subdir leaves the earlier one's folder beside it: the newest is the job's
+    return max(found, key=lambda d: _mtime(d / "overrides.yaml"), default=None)
 
 
 def _overrides(hydra: Optional[Path]) -> dict[str, str]:
@@ -181,9 +184,11 @@ def newest_sweep_size(sweep_dir: Path) -> Optional[int]:
 
 
 def newest_sweep_points(sweep_dir: Path, most: int = 100_000) -> Optional[list[dict]]:
-    """The newest sweep's points (key -> value as Hydra parses it), from its multirun.yaml, as the basic sweeper
-    makes them; None when that cannot be told (as newest_sweep_size). A job folder whose overrides are none of them
-    is an earlier sweep's: a re-sweep stopped by Ctrl-C leaves the jobs it did not reach as they were."""
+    """The newest sweep's points (key -> canonical text of the value as Hydra parses it), from its multirun.yaml, as
+    the basic sweeper makes them; None when that cannot be told (another sweeper, a key given with two prefixes
+    such as seed= and ++seed=, too many points). Keys whose values hold ${...} (resolved only by the sweeper) are
+    left out of every point. A job folder whose overrides are none of them is not this sweep's point: a re-sweep
+    stopped by Ctrl-C leaves the jobs it did not reach as they were."""
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -194,12 +199,18 @@ def newest_sweep_points(sweep_dir: Path, most: int = 100_000) -> Optional[list[d
         task = [str(o) for o in ((hydra.get("overrides") or {}).get("task") or [])]
         params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items() if v is not None]
         values: dict[str, list] = {}
+        prefixes: dict[str, str] = {}
         for o in OverridesParser.create().parse_overrides(params + task):
-            key = o.get_key_element().lstrip("+~")
+            element = o.get_key_element()
+            key = element.lstrip("+~")
+            if prefixes.setdefault(key, element[:len(element) - len(key)]) != element[:len(element) - len(key)]:
+                return None  # the sweeper applies seed= and ++seed= apart: not retraced here
             if key == "resume":
                 continue
-            values[key] = [hydra_value(key, v) for v in o.sweep_string_iterator()] if o.is_sweep_override() \
+            found = [hydra_value(key, v) for v in o.sweep_string_iterator()] if o.is_sweep_override() \
                 else [o.value()]
+            values[key] = [_canonical(v) for v in found]
+        values = {k: v for k, v in values.items() if not any("${" in x for x in v)}
         if math.prod(len(v) for v in values.values()) > most:
             return None
         return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
@@ -207,11 +218,30 @@ def newest_sweep_points(sweep_dir: Path, most: int = 100_000) -> Optional[list[d
         return None
 
 
-def _parsed_overrides(hydra: Optional[Path]) -> Optional[dict]:
-    """A job's overrides.yaml as key -> value as Hydra parses it (None without one)."""
-    if hydra is None:
-        return None
-    return {k: hydra_value(k, v) for k, v in _overrides(hydra).items()}
+def _canonical(value) -> str:
+    """A parsed override value as text that compares equal when the values are (NaN included)."""
+    import json
+
+    try:
+        return json.dumps(value, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def is_point(overrides: Optional[dict], points: list[dict]) -> bool:
+    """Whether a job's overrides (key -> text) are one of the newest sweep's points (none known: not told, so yes)."""
+    if overrides is None or not points:
+        return True
+    mine = {k: _canonical(hydra_value(k, v)) for k, v in overrides.items()}
+    return any(all(mine.get(k) == v for k, v in point.items()) for point in points)
+
+
+def _recorded_overrides(job_dir: Path) -> Optional[dict[str, str]]:
+    """The overrides metrics.json records (a job run by this version): what its results came from, even beside
+    an earlier sweep's .hydra folder (a re-sweep with hydra.output_subdir=null or another name leaves it)."""
+    metrics, _ = read_json_object(job_dir / "metrics.json")
+    items = (metrics or {}).get("overrides")
+    return _parse_overrides(items) if isinstance(items, list) else None
 
 
 def job_number(job_dir: Path, hydra: Optional[Path]) -> Optional[int]:
@@ -234,9 +264,9 @@ def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int]
     """(every job dir under sweep_dir of the newest sweep, how many an earlier sweep left there).
 
     A job dir has metrics.json, error.json or a Hydra folder (hydra_dir). The leftovers of an earlier, longer
-    sweep into the same folder are the jobs numbered `size` (the newest sweep's job count) or more, and those
-    whose overrides are none of the newest sweep's `points` (newest_sweep_points: a stopped re-sweep leaves the
-    jobs it did not reach); a sweep still running (the failure summary) also knows when it started: a job dir it
+    sweep into the same folder are the jobs numbered `size` (the newest sweep's job count) or more; a job whose
+    overrides are none of the newest sweep's `points` (newest_sweep_points: a stopped re-sweep leaves the jobs it
+    did not reach) is kept but not ranked (STRAY); a sweep still running (the failure summary) also knows when it started: a job dir it
     did not write since then is older. (File times alone would not do for a report: a copied or cloned folder has
     them in any order.)
     """
@@ -253,13 +283,17 @@ def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int]
                                        *([h / "overrides.yaml"] if h else []))) >= since
 
     kept = [(d, h) for d, h in found if newest(d, h)]
-    if points is not None:  # (when no job is one of the points, the points are what is wrong: keep them all)
-        ours = [(d, h) for d, h in kept if h is None or _parsed_overrides(h) in points]
-        kept = ours if ours else kept
+    own = {d: _recorded_overrides(d) for d, _ in kept}
+    strays = set() if points is None else {
+        d for d, h in kept if not is_point(own[d] if own[d] is not None else _overrides(h) if h else None, points)}
+    if len(strays) == len(kept):  # no job is one of the points: the points are what is wrong
+        strays = set()
     jobs, told = [], []  # told: the overrides each job's error.json recorded (for jobs without overrides.yaml)
     for d, h in kept:
-        overrides = _overrides(h)
+        overrides = own[d] if own[d] is not None and h is not None else _overrides(h)
         metrics, err = job_state(d, overrides)
+        if d in strays:  # shown, never ranked: an earlier sweep's job the newest one did not reach, most likely
+            metrics, err = None, STRAY
         jobs.append(Job(str(d.relative_to(sweep_dir)) if d != sweep_dir else ".", overrides, metrics, err, h))
         told.append({} if h is not None else _error_overrides(d, metrics))
     recorded = [t for (_, h), t in zip(kept, told) if h is None]
@@ -426,8 +460,7 @@ def _escaped(value: str) -> str:
 def older_note(sweep_dir: Path, older: int) -> str:
     """Says that older job dirs were left out (find_jobs), and how to see them; "" when none were."""
     return (f"Left out: {older} older job dir(s) in {sweep_dir}, numbered past the jobs of its newest sweep "
-            "(multirun.yaml) or run with overrides that are none of its points: the leftovers of an earlier sweep "
-            "into the same folder (a longer one, or one the newest sweep was stopped before it replaced); "
+            "(multirun.yaml): the leftovers of an earlier, longer sweep into the same folder; "
             f"`python -m specpipe.report {sweep_dir} --all` reports them too.") if older else ""
 
 

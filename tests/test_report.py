@@ -394,10 +394,11 @@ def test_override_values_read_as_hydra_reads_them():
     assert hydra_value("a", "compile(x") == "compile(x"  # unparsable: the text
 
 
-def test_a_stopped_re_sweep_leaves_out_the_earlier_sweeps_jobs_it_did_not_reach(tmp_path, capsys):
+def test_a_stopped_re_sweep_does_not_rank_the_earlier_sweeps_jobs_it_did_not_reach(tmp_path, capsys):
     """A re-sweep into the folder of an earlier one of the same size, stopped by Ctrl-C before job 1: job 1 still
     holds the earlier sweep's overrides and results, which are none of the newest sweep's points (multirun.yaml),
-    so they are left out (and said to be) rather than reported as the new sweep's job 1."""
+    so its row says so and is not ranked, rather than passing for the new sweep's job 1. Values the points compare
+    as Hydra parses them: NaN equals NaN, and a preset's ${...} value matches whatever it resolved to."""
     sweep = tmp_path / "sweep"
     (sweep / "multirun.yaml").parent.mkdir(parents=True)
     (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
@@ -410,12 +411,22 @@ def test_a_stopped_re_sweep_leaves_out_the_earlier_sweeps_jobs_it_did_not_reach(
         (sweep / name / "metrics.json").write_text(finished(tps, {}))
     main([str(sweep)])
     with open(sweep / "report.csv") as f:
-        table = list(csv.DictReader(f))
-    assert [r["job"] for r in table] == ["0"] and "draft.topk" not in table[0]
-    assert "1 older job dir(s)" in (sweep / "report.md").read_text()
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert not table["0"]["error"] and table["1"]["tokens_per_s"] == ""
+    assert table["1"]["error"].startswith("not one of the newest sweep's points (multirun.yaml)")
+    assert "Best: job 0" in (sweep / "report.md").read_text()
     main([str(sweep), "--all"])
     with open(sweep / "report.csv") as f:
-        assert [r["job"] for r in csv.DictReader(f)] == ["1", "0"]
+        assert [r["job"] for r in csv.DictReader(f)] == ["1", "0"]  # ranked again
+    from specpipe.report import is_point, newest_sweep_points
+
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                    "params": {"draft.num_steps": "2,${oc.env:STEPS}"}},
+        "overrides": {"task": ["latency_limit_ms=nan,50"]}}}))
+    points = newest_sweep_points(sweep)
+    assert len(points) == 2 and is_point({"draft.num_steps": "7", "latency_limit_ms": "nan"}, points)
+    assert not is_point({"latency_limit_ms": "40"}, points)
 
 
 def test_without_a_hydra_folder_a_swept_group_is_one_column_from_the_recorded_overrides(tmp_path):
@@ -454,3 +465,31 @@ def test_a_job_without_step_latency_is_within_the_limit_in_the_column_as_in_the_
     with open(sweep / "report.csv") as f:
         assert {r["job"]: r["within_latency_limit"] for r in csv.DictReader(f)} == {"1": "no", "0": "yes"}
     assert "Best: job 0 (workload.max_new_tokens=1), 9.0 tokens/s\n" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("output_subdir", ["null", "meta"])
+def test_a_re_sweep_with_another_output_subdir_is_read_from_its_own_record(tmp_path, output_subdir):
+    """A re-sweep with hydra.output_subdir=null (or another name) leaves the earlier sweep's .hydra in each job
+    folder: its overrides were taken for the job's, so the new results read as "an earlier run's" or as no point of
+    the newest sweep. The overrides metrics.json records (and the newest Hydra folder) are the job's."""
+    sweep = tmp_path / "sweep"
+    (sweep / "multirun.yaml").parent.mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": None},
+        "overrides": {"task": ["draft.num_steps=2,3"]}}}))
+    for name, steps in (("0", 2), ("1", 3)):
+        old = sweep / name / ".hydra"
+        old.mkdir(parents=True)
+        (old / "overrides.yaml").write_text(f"- draft.topk={name}\n")  # the earlier sweep's
+        os.utime(old / "overrides.yaml", (time.time() - 1000,) * 2)
+        if output_subdir == "meta":
+            (sweep / name / "meta").mkdir()
+            for f, text in (("overrides.yaml", f"- draft.num_steps={steps}\n"), ("config.yaml", "{}\n"),
+                            ("hydra.yaml", "{}\n")):
+                (sweep / name / "meta" / f).write_text(text)
+        m = json.loads(finished(5.0 + steps, {"draft": {"num_steps": steps, "topk": 1}}))
+        (sweep / name / "metrics.json").write_text(json.dumps({**m, "overrides": [f"draft.num_steps={steps}"]}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert {j: (r["draft.num_steps"], r["error"]) for j, r in table.items()} == {"1": ("3", ""), "0": ("2", "")}
