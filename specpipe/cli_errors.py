@@ -110,7 +110,7 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
                 f"one of them ({key}.KEY=VALUE).")
     outer = re.search(r"Could not override '([^']+)'", msg)
     inner = re.search(r"Key '[^']+' (?:is )?not in .*full_key: ([\w.]+)", str(cause), re.S) if cause else None
-    if outer and inner and inner.group(1).startswith(outer.group(1) + "."):
+    if outer and inner and inner.group(1).startswith(outer.group(1) + ".") and not outer.group(1).startswith("hydra"):
         msg = str(cause)  # a {dict} value with a key the schema lacks: the cause names the inner key
     odd_key = next((o for o in overrides if not re.fullmatch(r"[+~]*[\w./@-]+", o.split("=", 1)[0], re.ASCII)), None)
     if "LexerNoViableAltException" in msg and odd_key is not None:
@@ -119,13 +119,14 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
                 f"space, or a letter outside ASCII); keys are like draft.topk or allocator, and `python -m specpipe "
                 f"--cfg job` lists them.")
     odd_value = next((o for o in overrides if "=" in o and o.split("=", 1)[1][:1] not in ("'", '"')
-                      and re.search(r"[^\x21-\x7e]|[()]", o.split("=", 1)[1])), None)
+                      and re.search(r"[^\x21-\x7e]|[()=]", o.split("=", 1)[1])), None)
     if ("LexerNoViableAltException" in msg or "mismatched input" in msg or "no viable alternative" in msg
             or "extraneous input" in msg) and odd_value is not None and odd_key is None:
         key, value = odd_value.split("=", 1)
+        quoted = ",".join(f'"{v}"' if re.search(r"[^\x21-\x7e]|[()=]", v) else v for v in value.split(","))
         return (f"specpipe: invalid override {odd_value!r}: its value holds a character the override grammar reads "
-                f"otherwise (a space, a letter outside ASCII, a parenthesis); quote the value, for the shell too: "
-                f"'{key}=\"{value}\"'.")
+                f"otherwise (a space, a letter outside ASCII, a parenthesis, '='); quote it, for the shell too: "
+                f"'{key}={quoted}'{' (a comma still separates sweep values)' if ',' in value else ''}.")
     no_eq = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
     if "missing EQUAL" in msg and no_eq is not None:
         return (f"specpipe: invalid override {no_eq!r}: overrides are key=value (e.g. draft.topk=4) or "
@@ -169,8 +170,11 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
                 more = {"launcher": "joblib, ray or slurm", "sweeper": "optuna"}.get(kind, "joblib, ray, slurm, optuna")
                 return (f"specpipe: invalid override {group}={opt}: there is no {kind} '{opt}'{have}; the optional "
                         f"extras ({more}) add plugins, e.g. pip install -e '.[{more.split(',')[0]}]'.")
-            typed = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == group), opt)
-            what = f"{group}={typed}" if typed == opt else f"{group}={typed} (it extends '{opt}')"
+            typed = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == group), None)
+            preset = next((o for o in overrides if o.lstrip("+").startswith("sweep=")), None)
+            what = f"{group}={typed or opt}" if typed in (None, opt) else f"{group}={typed} (it extends '{opt}')"
+            if typed is None and preset is not None:
+                what = f"{preset.lstrip('+')} (it uses {group}={opt})"
             return (f"specpipe: invalid override {what}: the plugin for '{opt}' is not installed{have}. "
                     f"Install the optional extra first: pip install -e '.[{extra}]'.")
         valid = group_options(group, dirs)
@@ -345,7 +349,7 @@ def expand_home(overrides: list[str]) -> list[str]:
         path = os.path.expanduser(plain)
         if path == plain:  # ~nosuchuser: left for the check to name
             return lead + value
-        if re.fullmatch(r"[\w/.+@%:-]+", path):
+        if re.fullmatch(r"[\w/.+@%:-]+", path, re.ASCII):
             return lead + path
         return lead + (f"'{path}'" if "'" not in path else value)
 
@@ -353,9 +357,17 @@ def expand_home(overrides: list[str]) -> list[str]:
         return re.split(r"(?<!\\),", text)
 
     out = []
-    for o in overrides:
+    for i, o in enumerate(overrides):
+        if i and overrides[i - 1] in ("-cd", "--config-dir", "-cp", "--config-path") and o.startswith("~"):
+            out.append(os.path.expanduser(o))  # a quoted '~/myconf' reaches Hydra as it is, which does not expand it
+            continue
+        if o.startswith(("--config-dir=~", "--config-path=~")):
+            flag, _, where = o.partition("=")
+            out.append(f"{flag}={os.path.expanduser(where)}")
+            continue
         key, eq, value = o.partition("=")
-        if eq and not key.startswith("-") and value[:1] not in ("'", '"') and not re.fullmatch(r"[\w/.+@%:~-]*", value) \
+        if eq and not key.startswith("-") and value[:1] not in ("'", '"') \
+                and not re.fullmatch(r"[\w/.+@%:~-]*", value, re.ASCII) \
                 and os.path.exists(os.path.expanduser(value)) and not ("'" in value and '"' in value):
             # an existing file or folder whose name holds characters the override grammar reads otherwise (a
             # space, a letter outside ASCII, parentheses, a comma): it can only mean that path, so quote it
@@ -655,6 +667,10 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     except Exception as e:
         return reword(e, overrides, dirs)
     for p in parsed:  # Hydra's own error for these is "Unexpected type: None" or "Could not override"
+        if p.get_key_element().lstrip("+~") == "hydra.sweeper.params" and isinstance(p.value(), dict):
+            plain = " ".join(f"{k}={v}" for k, v in p.value().items())
+            return (f"specpipe: invalid override {p.input_line}: a sweep's values are given as plain keys, not as "
+                    f"hydra.sweeper.params; write -m {plain}")
         if p.get_key_element().lstrip("+~").startswith("hydra.sweeper.params."):
             plain = p.input_line.lstrip("+~").removeprefix("hydra.sweeper.params.")
             return (f"specpipe: invalid override {p.input_line}: a sweep preset's values are replaced by the same "
@@ -698,6 +714,19 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
         return (f"specpipe: invalid override {what}: SpecPipe runs one configuration, and this is a sweep (several "
                 f"values, a sweep preset or hydra.mode=MULTIRUN); give one value per key, and run sweeps with "
                 f"python -m specpipe -m ... (or build one SpecPipe per point)")
+    if multirun and swept:  # Hydra composes a sweep's base config with its plain overrides and no swept value
+        plain = [p.input_line for p in parsed if not p.is_sweep_override()]
+        try:
+            compose_config(plain, c.config_name, hydra=True, config_dir=c.config_dir)
+        except Exception as e:
+            key = re.search(r"full_key: ([\w.]+)", str(e.__cause__ or e))
+            group = key.group(1).split(".")[0] if key else None
+            groups = [p.input_line for p in swept if p.get_key_element().lstrip("+") == group]
+            if groups:
+                return (f"specpipe: invalid override {key.group(1)}: Hydra first composes a sweep's config without "
+                        f"its swept values (so with the default {group} option), and {key.group(1)} is not a setting "
+                        f"there; it belongs to only some of {groups[0]}. Sweep each {group} option in a command of "
+                        f"its own (python -m specpipe -m {group}=OPTION {key.group(1)}=...).")
     presets = next((p for p in swept if p.get_key_element().lstrip("+") == "sweep"), None)
     if presets is not None:
         return (f"specpipe: invalid override {presets.input_line}: one ready sweep per command (each sets its own "

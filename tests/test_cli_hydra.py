@@ -45,7 +45,7 @@ WORKS = [["sweep=compile_policies", "compile=eager,split"],  # a preset is a swe
          ["--cfg", "job", "hydra.run.dir={file}/x"],  # printing a config makes no output folder
          ["hydra.run.dir={file}d/${{hydra.job.name}}/${{draft.topk}}"],  # (hydra.* keys resolve when the job runs)
          ["-m", "hydra.sweep.dir=${{oc.env:SPECPIPE_NO_SUCH_VAR,multirun}}", "draft.topk=1,2"],
-         ["-cd", "{myconf}", "draft=base_mine"]]  # a user's option named like a schema is an option
+         ["-cd", "{myconf}", "draft=base_mine"], ["-m", "draft=ngram,suffix", "draft.num_steps=2"]]  # a user's option named like a schema is an option
 FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per command"),
          (["draft.topk=1,2"], "several values (or a sweep function) make a sweep, so add -m"),
          (["-cd", "/no/such/folder"], "--config-dir '/no/such/folder' is not a folder"),
@@ -96,7 +96,13 @@ FAILS = [(["-m", "sweep=tree_shape,compile_policies"], "one ready sweep per comm
                                           "later), not one value"),
          (["workload=3"], "invalid override workload=3: config group 'workload' needs one of its options"),
          (["workload.prompts_file=/no/ünï p.jsonl"], "its value holds a character the override grammar reads otherwise "
-                                                    "(a space, a letter outside ASCII, a parenthesis); quote the value"),
+                                                    "(a space, a letter outside ASCII, a parenthesis, '='); quote it"),
+         (["hydra.run.dir=/tmp/x/lr=0.1"], "quote it, for the shell too: 'hydra.run.dir=\"/tmp/x/lr=0.1\"'"),
+         (["-m", "workload.prompts_file=p.jsonl,ünï.jsonl"], "'workload.prompts_file=p.jsonl,\"ünï.jsonl\"' (a comma still "
+                                                           "separates sweep values)"),
+         (["-m", "draft=ngram,suffix", "draft.min_n=1"], "Hydra first composes a sweep's config without its swept values"),
+         (["hydra.job.env_set={{OMP_NUM_THREADS:1}}"], "add it with a '+': +hydra.job.env_set={OMP_NUM_THREADS:1}"),
+         (["-m", 'hydra.sweeper.params={{draft.topk:"1,2"}}'], "write -m draft.topk=1,2"),
          (["hydra/launcher=jobib"], "there is no launcher 'jobib' (valid here: basic, joblib"),
          (["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobz=2", "draft.topk=1,2"],
           "'hydra.launcher.n_jobz' is not a setting of hydra/launcher=joblib (valid keys there: backend")]
@@ -166,7 +172,7 @@ def test_shell_completion_offers_options_not_the_schemas_they_extend(tmp_path):
     assert not [o for o in offered if "base_" in o], offered
 
 
-@pytest.mark.parametrize("name", ["ünï p.jsonl", "a(1).jsonl", "a,b.jsonl", "a=b.jsonl"])
+@pytest.mark.parametrize("name", ["ünï p.jsonl", "a(1).jsonl", "a,b.jsonl", "a=b.jsonl", "modèle.jsonl"])
 def test_an_existing_path_with_characters_the_grammar_reads_is_taken_as_that_path(tmp_path, name):
     """Hydra's lexer refused a path with a space, a non-ASCII letter or a parenthesis, and a comma made a sweep:
     an existing file can only mean itself, so it is quoted for Hydra (a ~ path already was)."""
@@ -177,3 +183,12 @@ def test_an_existing_path_with_characters_the_grammar_reads_is_taken_as_that_pat
     args = expand_home([f"workload.prompts_file={path}"])
     assert args == [f"workload.prompts_file='{path}'"]
     assert precheck(SMALL + args) is None
+
+
+def test_a_config_dir_under_home_is_expanded_for_hydra_too(monkeypatch, tmp_path):
+    """A quoted '~/myconf' after -cd passed the check (which expands it) and then failed in Hydra, which does not."""
+    from specpipe.cli_errors import expand_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert expand_home(["-cd", "~/myconf", "x=1"]) == ["-cd", f"{tmp_path}/myconf", "x=1"]
+    assert expand_home(["--config-dir=~/myconf"]) == [f"--config-dir={tmp_path}/myconf"]
