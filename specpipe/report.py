@@ -31,8 +31,8 @@ METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_ver
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
 UNFINISHED = "unfinished: no metrics.json (interrupted, killed or still running; resume=true re-runs it)"
 RERUN = "resume=true re-runs it"
-STRAY = ("not one of the newest sweep's points (multirun.yaml): most likely an earlier sweep's job that the newest "
-         "one, stopped, did not reach; not ranked (--all ranks every job)")
+STRAY = ("not the newest sweep's point for its job number (multirun.yaml): most likely an earlier sweep's job that "
+         "the newest one, stopped, did not reach; not ranked (--all ranks every job)")
 HYDRA_FILES = ("overrides.yaml", "config.yaml", "hydra.yaml")  # what Hydra saves in a job's hydra.output_subdir
 
 
@@ -186,8 +186,8 @@ def newest_sweep_size(sweep_dir: Path) -> Optional[int]:
 def newest_sweep_points(sweep_dir: Path, most: int = 100_000) -> Optional[list[dict]]:
     """The newest sweep's points (key -> canonical text of the value as Hydra parses it), from its multirun.yaml, as
     the basic sweeper makes them; None when that cannot be told (another sweeper, a key given with two prefixes
-    such as seed= and ++seed=, too many points). Keys whose values hold ${...} (resolved only by the sweeper) are
-    left out of every point. A job folder whose overrides are none of them is not this sweep's point: a re-sweep
+    such as seed= and ++seed=, too many points), in the sweeper's order (job i runs point i). A value that holds
+    ${...} (resolved only by the sweeper) is None, which any value matches. A job folder whose overrides are none of them is not this sweep's point: a re-sweep
     stopped by Ctrl-C leaves the jobs it did not reach as they were."""
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -198,6 +198,8 @@ def newest_sweep_points(sweep_dir: Path, most: int = 100_000) -> Optional[list[d
             return None
         task = [str(o) for o in ((hydra.get("overrides") or {}).get("task") or [])]
         params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items() if v is not None]
+        if any("shuffle(" in o for o in params + task):  # drawn anew by every parse: neither order nor safe match
+            return None
         values: dict[str, list] = {}
         prefixes: dict[str, str] = {}
         for o in OverridesParser.create().parse_overrides(params + task):
@@ -209,11 +211,10 @@ def newest_sweep_points(sweep_dir: Path, most: int = 100_000) -> Optional[list[d
                 continue
             found = [hydra_value(key, v) for v in o.sweep_string_iterator()] if o.is_sweep_override() \
                 else [o.value()]
-            values[key] = [_canonical(v) for v in found]
-        values = {k: v for k, v in values.items() if not any("${" in x for x in v)}
+            values[key] = [None if "${" in x else x for x in map(_canonical, found)]  # None: any value matches
         if math.prod(len(v) for v in values.values()) > most:
             return None
-        return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+        return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]  # job i: point i
     except Exception:
         return None
 
@@ -230,10 +231,12 @@ def _canonical(value) -> str:
 
 def is_point(overrides: Optional[dict], points: list[dict]) -> bool:
     """Whether a job's overrides (key -> text) are one of the newest sweep's points (none known: not told, so yes)."""
-    if overrides is None or not points:
-        return True
+    return overrides is None or not points or any(matches(overrides, point) for point in points)
+
+
+def matches(overrides: dict, point: dict) -> bool:
     mine = {k: _canonical(hydra_value(k, v)) for k, v in overrides.items()}
-    return any(all(mine.get(k) == v for k, v in point.items()) for point in points)
+    return all(v is None or mine.get(k) == v for k, v in point.items())
 
 
 def _recorded_overrides(job_dir: Path) -> Optional[dict[str, str]]:
@@ -284,10 +287,15 @@ def find_jobs(sweep_dir: Path, since: float = float("-inf"), size: Optional[int]
 
     kept = [(d, h) for d, h in found if newest(d, h)]
     own = {d: _recorded_overrides(d) for d, _ in kept}
-    strays = set() if points is None else {
-        d for d, h in kept if not is_point(own[d] if own[d] is not None else _overrides(h) if h else None, points)}
+    told_by = {d: own[d] if own[d] is not None else _overrides(h) if h else None for d, h in kept}
+    strays = set() if points is None else {d for d, _ in kept if not is_point(told_by[d], points)}
     if len(strays) == len(kept):  # no job is one of the points: the points are what is wrong
         strays = set()
+    numbered = {d: job_number(d, h) for d, h in kept if d not in strays and told_by[d] is not None}
+    numbered = {d: n for d, n in numbered.items() if n is not None and points and 0 <= n < len(points)}
+    off = {d for d, n in numbered.items() if not matches(told_by[d], points[n])}
+    if len(off) * 2 < len(numbered):  # a point, but not its own number's (an older sweep's, in another order);
+        strays |= off                 # when most are off, the order retraced is what is wrong
     jobs, told = [], []  # told: the overrides each job's error.json recorded (for jobs without overrides.yaml)
     for d, h in kept:
         overrides = own[d] if own[d] is not None and h is not None else _overrides(h)

@@ -413,7 +413,7 @@ def test_a_stopped_re_sweep_does_not_rank_the_earlier_sweeps_jobs_it_did_not_rea
     with open(sweep / "report.csv") as f:
         table = {r["job"]: r for r in csv.DictReader(f)}
     assert not table["0"]["error"] and table["1"]["tokens_per_s"] == ""
-    assert table["1"]["error"].startswith("not one of the newest sweep's points (multirun.yaml)")
+    assert table["1"]["error"].startswith("not the newest sweep's point for its job number (multirun.yaml)")
     assert "Best: job 0" in (sweep / "report.md").read_text()
     main([str(sweep), "--all"])
     with open(sweep / "report.csv") as f:
@@ -425,7 +425,7 @@ def test_a_stopped_re_sweep_does_not_rank_the_earlier_sweeps_jobs_it_did_not_rea
                     "params": {"draft.num_steps": "2,${oc.env:STEPS}"}},
         "overrides": {"task": ["latency_limit_ms=nan,50"]}}}))
     points = newest_sweep_points(sweep)
-    assert len(points) == 2 and is_point({"draft.num_steps": "7", "latency_limit_ms": "nan"}, points)
+    assert len(points) == 4 and is_point({"draft.num_steps": "7", "latency_limit_ms": "nan"}, points)
     assert not is_point({"latency_limit_ms": "40"}, points)
 
 
@@ -493,3 +493,22 @@ def test_a_re_sweep_with_another_output_subdir_is_read_from_its_own_record(tmp_p
     with open(sweep / "report.csv") as f:
         table = {r["job"]: r for r in csv.DictReader(f)}
     assert {j: (r["draft.num_steps"], r["error"]) for j, r in table.items()} == {"1": ("3", ""), "0": ("2", "")}
+
+
+def test_an_earlier_sweeps_job_at_another_number_is_not_ranked(tmp_path):
+    """draft.topk=1,2,4, then draft.topk=4,2,1 stopped after job 0: job 2 still holds topk=4 from the first sweep, a
+    point of the newest one, but job 0's; the sweeper's order (job i runs point i) tells it apart."""
+    sweep = tmp_path / "sweep"
+    (sweep / "multirun.yaml").parent.mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": None},
+        "overrides": {"task": ["draft.topk=4,2,1"]}}}))
+    for name, topk in (("0", 4), ("1", 2), ("2", 4)):
+        (sweep / name / ".hydra").mkdir(parents=True)
+        (sweep / name / ".hydra" / "overrides.yaml").write_text(f"- draft.topk={topk}\n")
+        (sweep / name / "metrics.json").write_text(finished(5.0 + int(name), {"draft": {"topk": topk}}))
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert [j for j, r in table.items() if r["error"].startswith("not the newest sweep's point")] == ["2"]
+    assert "Best: job 1" in (sweep / "report.md").read_text()
