@@ -120,6 +120,9 @@ def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
     return build(cfg.allocator, "allocator", **kwargs)
 
 
+MAX_BYTES_PER_TOKEN = 1024  # no tokenizer's piece is longer: a prompt beyond that many per context token cannot fit
+
+
 def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int,
                   stop: Sequence[str] = (), ignore_eos: bool = False,
                   sampling: tuple = (0.0, 1.0, 0, 1.0, 0.0)) -> list[Request]:
@@ -165,6 +168,11 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             except (ValueError, TypeError) as e:  # ChatTemplateError included; TypeError: the tokenizers package's
                 r.finish_reason, r.error = "error", f"the chat cannot be turned into a prompt: {e}"
                 continue
+        elif len(r.prompt) > MAX_BYTES_PER_TOKEN * max_position:  # tokenizing 100 MB costs seconds and gigabytes
+            r.finish_reason = "error"
+            r.error = (f"prompt of {len(r.prompt)} characters is far more than the model's context of {max_position} "
+                       f"tokens holds (no token spans {MAX_BYTES_PER_TOKEN} characters); shorten it")
+            continue
         else:
             try:
                 r.prompt_ids = tokenizer.encode(r.prompt)

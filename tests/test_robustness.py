@@ -446,3 +446,17 @@ def test_compressed_or_utf16_files_say_so_and_a_limit_stops_reading(tmp_path):
                                                                      for n in (1, 2, 3)]
     (tmp_path / "typo.jsonl").write_text(json.dumps({"promt": "a"}) + "\n")
     assert read_prompts_file(str(tmp_path / "typo.jsonl"))[0]["error"].endswith('did you mean "prompt" for "promt"?')
+
+
+def test_a_prompt_far_beyond_the_context_fails_before_it_is_tokenized(monkeypatch):
+    """A 100 MB prompt was tokenized whole (18 s, 2.8 GB) before its "too long" error."""
+    from specpipe.app import make_requests
+    from specpipe.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    calls = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: calls.append(len(text)) or encode(text))
+    reqs = make_requests([{"prompt": "x" * (1024 * 64 + 1)}, {"prompt": "ok"}], tok, 4, 64, tok.vocab_size)
+    assert reqs[0].finish_reason == "error" and "far more than the model's context of 64 tokens" in reqs[0].error
+    assert calls == [2] and reqs[1].finish_reason is None
