@@ -81,8 +81,9 @@ def unapplied_policies(cfg: DictConfig, asked: set) -> list[str]:
     if out:
         from specpipe.report_console import drafter_name
 
+        settable = sorted(b for b in asked if b.split(".")[0] in cfg.compile)  # (not the stages that always run eager)
         print(f"specpipe: note: {', '.join(out)}: no branch of this run (draft={drafter_name(cfg.draft)}) reads "
-              f"it, so it compiles nothing (the run's branches: {', '.join(sorted(asked)) or 'none, plain decoding'})",
+              f"it, so it compiles nothing (the run's branches: {', '.join(settable) or 'none, plain decoding'})",
               file=sys.stderr)
     return out
 

@@ -141,3 +141,6 @@ def test_a_policy_for_a_branch_the_run_does_not_have_is_named(capsys):
     m = run(compose(*base, "draft=ngram", "compile.draft_topk.later=eager", "compile.build_tree.build=eager"),
             quiet=True)["metrics"]
     assert "unapplied_compile_policies" not in m and "compiles nothing" not in capsys.readouterr().err
+    run(compose(*base, "draft=ngram", "sampling.temperature=1.0", "compile.draft_topk.later=compile"), quiet=True)
+    listed = capsys.readouterr().err.split("the run's branches: ")[1]
+    assert "verify.target_forward" in listed and "verify_sampling" not in listed  # (no compile.* key sets those)
