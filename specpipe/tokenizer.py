@@ -96,6 +96,8 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 
 
 GPT2_CLASSES = ("GPT2Tokenizer", "CodeGenTokenizer")  # transformers 5 rebuilds both as plain byte-level BPE
+# model types transformers 5's AutoTokenizer builds as Qwen2Tokenizer when the folder names no class
+QWEN2_TOKENIZER_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next")
 
 
 def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_type: Optional[str]) -> Optional[tuple]:
@@ -105,7 +107,8 @@ def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_typ
 
     transformers 5 builds `LlamaTokenizer` and `Qwen2Tokenizer` folders anew from the file's vocabulary and
     merges, ignoring its normalizer, pre-tokenizer and decoder (and it treats every `model_type: qwen2`
-    folder as Qwen2Tokenizer, whatever class it names):
+    folder as Qwen2Tokenizer, whatever class it names, and a qwen3 or other Qwen folder that names no class,
+    in tokenizer_config.json or config.json, as its model type's registered Qwen2Tokenizer):
     - LlamaTokenizer: a Metaspace pre-tokenizer that prepends "▁" to the first piece only (`legacy: false`,
       the default), to every piece between special tokens (`legacy: true`), or never (`add_prefix_space:
       false`). A Llama-2-era file prepends through its normalizer, after every special token too, so a chat
@@ -129,6 +132,8 @@ def transformers_pipeline(tokenizer_json: str, tokenizer_config: dict, model_typ
     if model_type in MISTRAL_TYPES:
         return None
     cls = str(tokenizer_config.get("tokenizer_class") or "").removesuffix("Fast")
+    if not cls and model_type in QWEN2_TOKENIZER_TYPES:
+        cls = "Qwen2Tokenizer"
     byte_level = '"ByteLevel"' in tokenizer_json
     if model_type == "qwen2" or cls == "Qwen2Tokenizer":
         return ("qwen2", bool(tokenizer_config.get("add_prefix_space") or False)) if byte_level else None

@@ -297,6 +297,9 @@ def test_split_special_tokens_encodes_special_tokens_written_in_text_as_text(tmp
     ("qwen2", "LlamaTokenizerFast", True),
     ("llama", "Qwen2Tokenizer", True),
     ("qwen3", "Qwen2TokenizerFast", True),
+    ("qwen3", None, True),  # no class named: transformers builds the model type's Qwen2Tokenizer
+    ("qwen3", "no tokenizer_config.json", True),
+    ("qwen3", "PreTrainedTokenizerFast", False),
     ("llama", "PreTrainedTokenizerFast", False),
     ("llama", "LlamaTokenizerFast", False),  # a byte-level file under a Llama class is read as saved
     ("mistral", "Qwen2Tokenizer", False),
@@ -310,8 +313,10 @@ def test_qwen2_class_folders_encode_as_transformers(tmp_path, model_type, tokeni
     from specpipe.models.llama import LlamaConfig
 
     byte_level_style(tmp_path / "tokenizer.json")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": tokenizer_class, "eos_token": "<|im_end|>", "bos_token": None}))
+    if tokenizer_class != "no tokenizer_config.json":
+        named = {"tokenizer_class": tokenizer_class} if tokenizer_class else {}
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+            {**named, "eos_token": "<|im_end|>", "bos_token": None}))
     raw = {"model_type": model_type, "architectures": ["LlamaForCausalLM"]}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
