@@ -335,13 +335,13 @@ class SpecPipe:
         tokens' log-probabilities under the raw target logits (None: the overrides' workload.logprobs)."""
         if on_event is not None and not callable(on_event):
             raise SpecpipeError(f"specpipe: on_event={on_event!r} must be a function taking a StreamEvent (or None)")
-        cfg, items, out_dir = self._prepare(prompts, max_new_tokens, stop, out_dir, logprobs, seed, dict(
+        cfg, items, out_dir = self._prepare("generate", prompts, max_new_tokens, stop, out_dir, logprobs, seed, dict(
             temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, min_p=min_p))
         return self._decode(cfg, items, out_dir, on_event)
 
-    def _prepare(self, prompts, max_new_tokens, stop, out_dir, logprobs, seed, sampling: dict):
+    def _prepare(self, method: str, prompts, max_new_tokens, stop, out_dir, logprobs, seed, sampling: dict):
         """The call's config, request items and output folder; every argument checked (SpecpipeError) before
-        anything decodes."""
+        anything decodes (`method`: generate or stream, the call the errors name)."""
         from omegaconf import OmegaConf
 
         from specpipe.schema import is_int, sampling_problem
@@ -364,7 +364,7 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: prompts must be a prompt (a string or a chat dict) or a list of "
                                     f"them, got {type(prompts).__name__} {str(prompts)[:40]!r}") from None
         if not prompts:
-            raise SpecpipeError("specpipe: generate() needs at least one prompt")
+            raise SpecpipeError(f"specpipe: {method}() needs at least one prompt, got an empty {type(prompts).__name__}")
         cfg = self.cfg
         if max_new_tokens is not None:
             if not is_int(max_new_tokens) or max_new_tokens < 1:
@@ -450,5 +450,5 @@ class SpecPipe:
             raise SpecpipeError(f"specpipe: stream() got an unknown argument {unknown[0]!r} (valid: prompts, "
                                 f"max_new_tokens, stop, out_dir, logprobs, seed, {', '.join(SAMPLING_RULES)}; events "
                                 f"come from iterating the stream, so there is no on_event)")
-        cfg, items, out_dir = self._prepare(prompts, max_new_tokens, stop, out_dir, logprobs, seed, sampling)
+        cfg, items, out_dir = self._prepare("stream", prompts, max_new_tokens, stop, out_dir, logprobs, seed, sampling)
         return Stream(lambda sink, cancelled: self._decode(cfg, items, out_dir, sink, cancelled))

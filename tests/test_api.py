@@ -92,8 +92,10 @@ def test_bad_generate_arguments():
     sp = SpecPipe("model=random_tiny")
     with pytest.raises(SpecpipeError, match="max_new_tokens=0 must be an integer >= 1"):
         sp.generate(["x"], max_new_tokens=0)
-    with pytest.raises(SpecpipeError, match="at least one prompt"):
+    with pytest.raises(SpecpipeError, match=r"generate\(\) needs at least one prompt"):
         sp.generate([])
+    with pytest.raises(SpecpipeError, match=r"stream\(\) needs at least one prompt"):
+        sp.stream([])
     with pytest.raises(SpecpipeError, match="stop string '\\\\ud800' holds a lone UTF-16 surrogate"):
         sp.generate(["x"], stop=["\ud800"])
     out = sp.generate(["x", "bad \ud800"], max_new_tokens=2)
