@@ -136,7 +136,9 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
         raise CheckpointError(f"{file}: field '{key}.rope_type' is {kind!r}, which specpipe does not implement "
                               f"(valid: {', '.join(ROPE_TYPES)})")
     factor = rp.get("factor")
-    if kind != "default" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0):
+    derived = kind == "yarn" and "factor" in rp and factor is None  # DeepSeek-style: set from the lengths below
+    if kind != "default" and not derived and (
+            not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0):
         what = "is missing" if factor is None else f"must be a positive number, got {factor!r}"
         raise CheckpointError(f"{file}: field '{key}.factor' {what} (required for rope_type {kind!r})")
     # null is absent, as in transformers (the top-level field wins over the RoPE dict's)
@@ -156,6 +158,8 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
         scaling[orig] = _int_field(raw, orig, file) if raw.get(orig) is not None else \
             _int_field(scaling, orig, file, name=f"{key}.{orig}") if scaling.get(orig) is not None else \
             _int_field(raw, "max_position_embeddings", file)
+    if derived:  # transformers 5: a yarn `factor: null` is max_position_embeddings / the pretraining length
+        scaling["factor"] = _int_field(raw, "max_position_embeddings", file) / scaling[orig]
     return theta, scaling
 
 

@@ -142,6 +142,12 @@ def test_saved_qwen3_and_biased_llama_read_back_by_transformers(transformers, ma
     {"original_max_position_embeddings": 256, "rope_parameters": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 5e5,
         "original_max_position_embeddings": 64}},  # the top-level field wins (transformers 5, for Phi-3)
+    # DeepSeek-style YaRN: `factor: null` is max_position_embeddings / the pretraining length
+    {"max_position_embeddings": 512, "rope_parameters": {"rope_type": "yarn", "factor": None, "rope_theta": 1e4,
+                                                         "original_max_position_embeddings": 64}},
+    {"max_position_embeddings": 512, "original_max_position_embeddings": 128,
+     "rope_parameters": {"rope_type": "yarn", "factor": None, "rope_theta": 1e4, "mscale": 1.0,
+                         "mscale_all_dim": 0.5}},
     {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500.0,
      "rope_parameters": {"rope_type": "default", "rope_theta": 50.0}},  # rope_scaling wins over rope_parameters
 ])
