@@ -52,7 +52,7 @@ class SamplingState:
         self.penalized = penalized or repetition_penalty != 1.0
         if self.penalized and max_context is None:
             raise ValueError("a repetition penalty needs max_context")
-        self.penalty = torch.zeros(0, dtype=torch.float64, device=device)  # cast to the logits' dtype, as HF does
+        self.penalty = torch.zeros(0, dtype=torch.float64, device=device)  # cast to the penalized logits' dtype
         self.context = torch.zeros((0, max_context or 0), dtype=torch.int64, device=device)
         self.width: Optional[int] = None  # columns of `context` in use (`limit`); None: all
         self.context_len = torch.zeros(0, dtype=torch.int64, device=device)
@@ -101,7 +101,11 @@ class SamplingState:
     @staticmethod
     def _penalized_at(logits: Tensor, idx: Tensor, penalty: Tensor) -> Tensor:
         """logits [B, ..., V] with the entries idx [B, ..., K] penalized (HF's rule; repeated ids agree), in
-        place: the step's fresh logits, so no copy of [B, ..., V] is made."""
+        place: the step's fresh logits, so no copy of [B, ..., V] is made. Below float32 (bf16, fp16) they are
+        penalized as a float32 copy, as HF generate casts the step's logits to float32 before its processors:
+        bf16's 8-bit mantissa rounds `x / 1.1` to another value, and can reorder the top tokens."""
+        if logits.dtype.itemsize < 4 and logits.is_floating_point():
+            logits = logits.float()
         orig = logits.gather(-1, idx)
         f = torch.finfo(logits.dtype)  # an extreme penalty saturates instead of making inf (or 0 * inf: NaN)
         p = penalty.view(-1, *([1] * (logits.dim() - 1))).to(logits.dtype).clamp(min=f.tiny, max=f.max)

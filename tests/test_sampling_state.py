@@ -114,3 +114,18 @@ def test_the_penalized_width_covers_every_context(tmp_path, drafter, monkeypatch
     assert out["metrics"]["num_errors"] == 0 and out["metrics"]["retractions"] > 0
     assert seen and all(w is not None and w >= n for w, n in seen)
     assert min(w for w, _ in seen) < max(w for w, _ in seen)  # the width follows the batch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_logits_are_penalized_in_float32_as_hf_generate_does(dtype):
+    """HF generate casts a step's logits to float32 before its processors. A bf16 token 5.0 penalized by 1.3 is
+    3.846 in float32 but rounds to 3.859375 in bf16, a tie with the next token: the argmax would flip."""
+    state = SamplingState(0.0, 1.0, 0, "cpu", max_context=4, penalized=True)
+    state.join([1], [(0.0, 1.0, 0, 1.3)], [[0]])
+    logits = torch.tensor([[5.0, 3.859375, -2.0, 0.5]], dtype=dtype)
+    want = hf_penalty(logits[0].float(), [0], torch.tensor(1.3, dtype=torch.float32).item())
+    got = state._penalized_at(logits.clone(), state.context, state.penalty)
+    assert got.dtype == torch.float32 and torch.equal(got[0], want)
+    assert state.sample_next(logits.clone(), torch.tensor([1])).tolist() == [1]  # 3.846 < 3.859375
+    tree = state.penalize_tree(logits[:, None].clone(), torch.tensor([[2]]), torch.ones(1, 1, 1, dtype=torch.bool))
+    assert tree.dtype == torch.float32 and tree[0, 0].argmax().item() == 1
