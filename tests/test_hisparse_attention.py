@@ -100,3 +100,17 @@ def test_a_prompt_past_the_device_pool_runs_whichever_request_comes_first(tmp_pa
     assert [r.finish_reason for r in got["requests"]] == ["length", "length"]
     assert [r.output_ids for r in got["requests"]] == [r.output_ids for r in want]
     assert got["metrics"]["kv_leaked_slots"] == 0
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_kv_peak_counts_logical_use_and_the_device_pool_has_its_own(path, ps):
+    """Every live token holds a logical id, so the run's KV peak is the logical pool's (it was the smaller
+    pool's, min(logical, device), and read half the token allocator's peak for the same run); the device
+    pool's peak is reported apart and never exceeds that pool."""
+    alloc = "allocator=token" if ps == 1 else "allocator=paged"
+    _, ref = decode(path, *SPARSE, alloc, f"allocator.page_size={ps}", "allocator.num_slots=1024")
+    _, m = decode(path, *SPARSE, "allocator=hisparse", f"allocator.page_size={ps}", "allocator.num_slots=256",
+                  "allocator.host_to_device_ratio=4")
+    assert m["kv_pool_slots"] == ref["kv_pool_slots"] == 1024
+    assert m["kv_peak_slots"] == ref["kv_peak_slots"] > 256
+    assert 0 < m["hisparse_device_peak_slots"] <= m["hisparse_device_pool_slots"] == 256

@@ -37,6 +37,13 @@ class HiSparseAllocator(PairedAllocator):
         """Slots the device KV pool needs (it is indexed by translated ids)."""
         return self.devpool.pool_slots
 
+    @property
+    def main_pool(self) -> PagedAllocator:
+        """The logical pool: every token holds a logical id while it lives, so its use is the run's KV use. The
+        device pool (`size` and `available()` take the smaller pool) holds prompts and hot buffers only; its peak
+        is `hisparse_device_peak_slots`."""
+        return self.logical
+
     # ---- alloc --------------------------------------------------------------------------
     def alloc(self, n: int) -> Optional[Tensor]:
         """n logical ids, each with a device slot; rolls the logical side back if the device fails."""

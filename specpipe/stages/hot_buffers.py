@@ -29,6 +29,7 @@ class HotBufferBook:
         self.slots: dict[int, tuple[Tensor, bool]] = {}  # row -> (device slots [C], owned by the allocator)
         self.bufs: dict[int, dict[int, HotBuffer]] = {}  # row -> layer -> LRU
         self.done = [0, 0, 0]  # hits, misses, bytes of released rows
+        self.device_peak = 0  # most device-pool slots in use at once (prompts' KV and hot buffers)
 
     @property
     def ready(self) -> bool:
@@ -55,6 +56,12 @@ class HotBufferBook:
                 dev = torch.arange(ps, ps + self.capacity, device=self.table.device)
             self.slots[r] = (dev, owned)
             self.bufs[r] = {}
+        self.note_device()
+
+    def note_device(self) -> None:
+        """After a take from the device pool."""
+        pool = self.alloc.devpool
+        self.device_peak = max(self.device_peak, pool.size - pool.available())
 
     def observe(self, layer: int, batch, selected: Tensor, token_bytes: int, budget: int) -> None:
         """Fetch the keys ``selected`` [B, Q, Lkv] picks (minus this forward's own) through each row's LRU."""
@@ -95,4 +102,6 @@ class HotBufferBook:
                 hits, misses, moved = hits + buf.hits, misses + buf.misses, moved + buf.bytes_moved
         total = hits + misses
         return {"hisparse_hit_rate": hits / total if total else None, "hisparse_bytes_moved": int(moved),
-                "hisparse_fetches": int(total), "hisparse_buffer_tokens": int(self.capacity)}
+                "hisparse_fetches": int(total), "hisparse_buffer_tokens": int(self.capacity),
+                "hisparse_device_peak_slots": int(self.device_peak),
+                "hisparse_device_pool_slots": int(self.alloc.devpool.size)}

@@ -129,6 +129,8 @@ class PrepareDecode(Stage):
         self.peak_used = max(self.peak_used, pool.size - pool.available())
         if self.window is not None:
             self.window_peak = max(self.window_peak, self.alloc.swa.size - self.alloc.swa_available())
+        if self.hot is not None:
+            self.hot.note_device()
 
     @property
     def logical_only(self) -> bool:
