@@ -382,12 +382,17 @@ def allocation_size(e: BaseException) -> str:
 
 
 def check_against_model(cfg: DictConfig, pair) -> None:
-    """Settings the loaded model bounds: draft.topk (model drafters pick that many tokens of the draft's
+    """Settings the loaded model bounds: allocator.page_size, draft.topk (model drafters pick that many tokens of the draft's
     vocabulary per expansion) and workload.max_new_tokens (prompt and output share the model's context)."""
     ctx = pair.target.config.max_position_embeddings
     if cfg.workload.max_new_tokens >= ctx:
         raise ConfigError(f"workload.max_new_tokens={cfg.workload.max_new_tokens} leaves no room for a prompt in "
                           f"the model's context of {ctx} tokens (max_position_embeddings); use at most {ctx - 1}")
+    ps = cfg.allocator.page_size
+    if ps > ctx:  # a page holds one request's tokens: the rest of it is never written (a 2**20 page: 12M slots)
+        raise ConfigError(f"allocator.page_size={ps} is larger than the model's context of {ctx} tokens "
+                          f"(max_position_embeddings), so most of every page would never be written; use a power "
+                          f"of two up to {1 << (ctx.bit_length() - 1)} (16 to 128 are usual)")
     if cfg.allocator.get("_target_", "").endswith("SWAAllocator"):
         check_window_pool(pair, cfg.allocator.window)
     if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator"):

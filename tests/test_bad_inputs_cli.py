@@ -104,6 +104,8 @@ CASES = [
     (["workload.ignore_eos=maybe"], "'maybe' is not true or false; give workload.ignore_eos=true or", True),
     (["allocator=paged", "allocator.page_size=48"], "must be a power of two (1, 2, 4, 8, 16, ...)", True),
     (["allocator=token", "allocator.window=64"], "'allocator.window' is not a setting of allocator=token (valid keys", True),
+    (["allocator=paged", "allocator.page_size=1048576"], "allocator.page_size=1048576 is larger than the model's "
+     "context of", False),
     (["allocator.page_size=2"], "the token allocator has page size 1 (every slot on its own); use allocator=paged", True),
     (["model=hf", "model.path=/tmp/" + "x" * 5000], "cannot be a path here (File name too long)", True),
 ]
