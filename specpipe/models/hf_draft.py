@@ -75,6 +75,15 @@ def _has_qk_norm(tensors: dict) -> bool:
     return any(n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) for n in tensors)
 
 
+def _attention_biases(raw: dict, cfg: LlamaConfig, tensors: dict) -> None:
+    """q/k/v (and o) biases of a head: EAGLE-1's `qkv_bias` field (its Qwen2 heads carry `"qkv_bias": true`
+    under a Llama architecture, and SafeAILab's reference gives q/k/v a bias then, o none), or bias tensors the
+    head was trained with (a head from a Qwen2 layer keeps them whatever the config says)."""
+    cfg.attention_bias = cfg.attention_bias or bool(raw.get("qkv_bias")) or \
+        any(n.endswith("self_attn.q_proj.bias") for n in tensors)
+    cfg.o_proj_bias = cfg.o_proj_bias or any(n.endswith("self_attn.o_proj.bias") for n in tensors)
+
+
 def _fields(raw: dict, cfg: LlamaConfig, **more) -> dict:
     return {**raw, "head_dim": cfg.head_dim, "num_key_value_heads": cfg.num_key_value_heads, **more}
 
@@ -83,6 +92,7 @@ def _load_eagle(raw, file, target, tensors, origin, device) -> EagleHead:
     """EAGLE-1/2: fc (2H -> H, with bias) + layers.N.* (layer 0 has no input norm) + shared embed / lm_head."""
     cfg = parse_config(raw, file, draft=True)
     cfg.qk_norm = _has_qk_norm(tensors)
+    _attention_biases(raw, cfg, tensors)
     _match(cfg, target, file, ("hidden_size", "vocab_size"))
     with torch.device("meta"):
         head = EagleHead(cfg, target, num_layers=cfg.num_hidden_layers, fc_bias="fc.bias" in tensors,
@@ -147,6 +157,7 @@ def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Hea
     """EAGLE-3: midlayer.* + fc (3*Ht -> H) + norm + lm_head (draft vocab) + d2t / t2d."""
     cfg = parse_config(raw, file, draft=True)
     cfg.qk_norm = _has_qk_norm(tensors)
+    _attention_biases(raw, cfg, tensors)
     tc = target.config
     _match(cfg, target, file, ("vocab_size",))
     own_embed = "embed_tokens.weight" in tensors

@@ -266,3 +266,32 @@ def test_a_standalone_draft_of_another_tokenizer_or_an_eagle_head_is_refused_by_
     with pytest.raises(CheckpointError, match=r"a whole causal LM \(2 decoder layers, no EAGLE 'fc' projection\), not "
                                               r"an EAGLE head; .*use draft=standalone"):
         decode("draft=eagle", f"draft.path={draft}")
+
+
+def test_an_eagle1_head_with_q_k_v_biases_loads_them(make_hf_model, tmp_path):
+    """EAGLE-1 heads for Qwen2 targets say `"qkv_bias": true` under a Llama architecture (SafeAILab's cnets1:
+    q/k/v biases, no o bias); they were refused for an unexpected q_proj.bias. A head whose config does not say
+    so but whose tensors carry the biases loads them too; one that says so without them names the missing one."""
+    from specpipe.models.hf import CheckpointError
+    from specpipe.models.hf_save import _write, config_to_hf, unfused
+
+    model = make_hf_model("llama", seed=3).double()
+    model.save_pretrained(tmp_path / "target")
+    target = load_target(tmp_path / "target", dtype="float64")
+    cfg = copy.deepcopy(target.config)
+    cfg.attention_bias, cfg.o_proj_bias = True, False
+    head = EagleHead(cfg, target).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    tensors = {k: v.contiguous() for k, v in unfused(head.state_dict()).items()}
+    plain = config_to_hf(target.config)
+    plain.update(num_hidden_layers=1, bias=True)
+    for name, config in (("said", {**plain, "qkv_bias": True}), ("unsaid", plain)):
+        loaded = load_draft(_write(tmp_path / name, config, tensors), target, dtype="float64")
+        attn = loaded.layers[0].self_attn
+        assert torch.equal(attn.q_proj.bias, head.layers[0].self_attn.q_proj.bias) and attn.o_proj.bias is None
+        assert torch.equal(attn.v_proj.bias, head.layers[0].self_attn.v_proj.bias), name
+    without = {k: v for k, v in tensors.items() if not k.endswith("_proj.bias")}
+    with pytest.raises(CheckpointError, match="q_proj.bias"):
+        load_draft(_write(tmp_path / "missing", {**plain, "qkv_bias": True}, without), target, dtype="float64")
