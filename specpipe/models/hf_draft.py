@@ -94,9 +94,12 @@ def _load_eagle(raw, file, target, tensors, origin, device) -> EagleHead:
     cfg.qk_norm = _has_qk_norm(tensors)
     _attention_biases(raw, cfg, tensors)
     _match(cfg, target, file, ("hidden_size", "vocab_size"))
+    # an lm_head in the file is not this head's: SafeAILab's EAGLE-1/2, sglang and vLLM all score drafts with the
+    # target's lm_head (the head has none of its own; a copy saved with it is ignored)
+    tensors.pop("lm_head.weight", None)
     with torch.device("meta"):
         head = EagleHead(cfg, target, num_layers=cfg.num_hidden_layers, fc_bias="fc.bias" in tensors,
-                         own_embed="embed_tokens.weight" in tensors, own_lm_head="lm_head.weight" in tensors)
+                         own_embed="embed_tokens.weight" in tensors)
     fill(head, tensors, origin, file, _fields(raw, cfg), device, what="EAGLE head")
     return finish(head, cfg, device)
 

@@ -295,3 +295,20 @@ def test_an_eagle1_head_with_q_k_v_biases_loads_them(make_hf_model, tmp_path):
     without = {k: v for k, v in tensors.items() if not k.endswith("_proj.bias")}
     with pytest.raises(CheckpointError, match="q_proj.bias"):
         load_draft(_write(tmp_path / "missing", {**plain, "qkv_bias": True}, without), target, dtype="float64")
+
+
+def test_an_eagle1_head_scores_drafts_with_the_targets_lm_head_even_when_it_stores_one(make_hf_model, tmp_path):
+    """SafeAILab's EAGLE-1/2, sglang and vLLM always use the target's lm_head for an EAGLE-1/2 head; an
+    lm_head.weight saved in the head's file (here a different one) was used instead."""
+    model = make_hf_model("llama", seed=4).double()
+    model.save_pretrained(tmp_path / "target")
+    target = load_target(tmp_path / "target", dtype="float64")
+    folder = save_eagle(random_head(target, seed=5), tmp_path / "eagle")
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(folder / "model.safetensors"))
+    sd["lm_head.weight"] = torch.randn(target.lm_head.weight.shape, dtype=torch.float64)
+    save_file(sd, str(folder / "model.safetensors"))
+    head = load_draft(folder, target, dtype="float64")
+    h = torch.randn(2, 3, target.config.hidden_size, dtype=torch.float64)
+    assert torch.equal(head.logits(h), target.logits(h))
