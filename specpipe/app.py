@@ -33,12 +33,33 @@ _PAIR_CACHE: dict = {}  # weights kept across the jobs of an in-process sweep
 MODEL_LOADS = [0]  # how many times weights were loaded in this process (tests check sweeps reuse them)
 
 
+def folder_state(path: Optional[str]) -> tuple:
+    """(name, size, mtime) of a checkpoint folder's files and its subfolders' (an EAGLE head kept inside): a
+    folder re-saved in place between two runs of one process (a notebook, an eval during training) is loaded
+    again rather than served from the cache."""
+    if not path:
+        return ()
+    out = []
+    try:
+        for top in os.scandir(Path(path).expanduser()):
+            entries = os.scandir(top.path) if top.is_dir() else (top,)
+            for e in entries:
+                if e.is_file():
+                    st = e.stat()
+                    out.append((os.path.relpath(e.path, path), st.st_size, st.st_mtime_ns))
+    except OSError:
+        return ()  # loading it reports what is wrong
+    return tuple(sorted(out))
+
+
 def load_pair(cfg: DictConfig, dtype: str, device):
-    """Build the model pair, or reuse it when an earlier job of this process loaded the same one."""
+    """Build the model pair, or reuse it when an earlier job of this process loaded the same one (the same
+    settings, and the same files in its folders)."""
     from omegaconf import OmegaConf
 
     draft_path = cfg.draft.path if cfg.draft.method == "eagle" else None
-    key = (OmegaConf.to_yaml(cfg.model), dtype, str(device.torch_device), draft_path)
+    key = (OmegaConf.to_yaml(cfg.model), dtype, str(device.torch_device), draft_path,
+           folder_state(cfg.model.get("path")), folder_state(draft_path))
     if key not in _PAIR_CACHE:
         _PAIR_CACHE.clear()  # keep one pair: sweeps over models should not pile up weights
         MODEL_LOADS[0] += 1
@@ -282,11 +303,12 @@ def first_layer_copy(target):
 
 def ensure_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
     """With draft=standalone: the pair's standalone model is the one draft.path names (loaded once)."""
+    source = (cfg.draft.path, folder_state(cfg.draft.path))
     if cfg.draft.method == "standalone" and (getattr(pair, "standalone", None) is None
-                                             or getattr(pair, "standalone_source", None) != cfg.draft.path):
+                                             or getattr(pair, "standalone_source", None) != source):
         with torch.random.fork_rng(devices=[]):  # as in load_pair: the caller's random stream is theirs
             load_standalone(cfg, pair, dtype, device)
-        pair.standalone_source = cfg.draft.path
+        pair.standalone_source = source
 
 
 def drafting_models(cfg: DictConfig, pair) -> list:

@@ -660,3 +660,22 @@ def test_arrays_of_ids_nested_values_and_stream_limits():
     assert got[0].error == "prompt 0: nested too deeply to read" and got[1].error is None
     with pytest.raises(SpecpipeError, match="max_new_tokens=1000000 leaves no room for a prompt"):
         sp.stream(["a"], max_new_tokens=10 ** 6)
+
+
+def test_a_checkpoint_saved_again_in_place_is_loaded_again(tmp_path):
+    """The in-process cache keeps a pair across runs with the same settings; a folder re-saved at the same path
+    (a notebook, an eval during training) must not keep decoding with the old files."""
+    import shutil
+
+    folder = tmp_path / "target"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "specpipe/assets/tiny/target", folder)
+    over = ("model=hf", f"model.path={folder}", "draft=none", "workload.max_new_tokens=8", "workload.num_prompts=1")
+    ids = run(compose(*over), quiet=True)["requests"][0].output_ids
+    loads = MODEL_LOADS[0]
+    assert run(compose(*over), quiet=True)["requests"][0].output_ids == ids and MODEL_LOADS[0] == loads
+    config = json.loads((folder / "config.json").read_text())
+    config["specpipe_tokenizer"]["eos_token_id"] = ids[1]  # the same settings, another file
+    (folder / "config.json").write_text(json.dumps(config))
+    again = run(compose(*over), quiet=True)["requests"][0]
+    assert MODEL_LOADS[0] == loads + 1
+    assert again.finish_reason == "stop" and len(again.output_ids) <= 2 and again.output_ids != ids
