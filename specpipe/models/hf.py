@@ -67,6 +67,10 @@ def _family(raw: dict, file: Path, draft: bool) -> str:
         raise CheckpointError(f"{file}: field 'architectures' is {raw.get('architectures')!r}: an EAGLE draft head, not "
                               f"a whole model; give its folder as draft.path with draft=eagle (model.path, and "
                               f"draft.path of draft=standalone, take a causal LM: {', '.join(TARGET_ARCHS)})")
+    if arch is None and mt is not None:  # the model type is what says which model this is
+        raise CheckpointError(f"{file}: field 'model_type' is {mt!r} (and 'architectures' is missing), a model "
+                              f"specpipe cannot load (valid: {', '.join(TARGET_ARCHS.values())}; architectures "
+                              f"{', '.join(TARGET_ARCHS)})")
     raise CheckpointError(f"{file}: field 'architectures' is {raw.get('architectures')!r}, an architecture specpipe "
                           f"cannot load (valid: {', '.join(TARGET_ARCHS)})")
 
@@ -74,9 +78,8 @@ def _family(raw: dict, file: Path, draft: bool) -> str:
 def _int_field(raw: dict, key: str, file: Path, default: Optional[int] = None, name: Optional[str] = None) -> int:
     v = raw.get(key, default)
     if not is_int(v) or v <= 0:
-        what = "is missing" if v is None else f"must be a positive integer, got {v!r}"
-        key = name or key
-        raise CheckpointError(f"{file}: required field '{key}' {what}")
+        what = "required field '{}' is missing" if v is None else f"field '{{}}' must be a positive integer, got {v!r}"
+        raise CheckpointError(f"{file}: " + what.format(name or key))
     return v
 
 
@@ -115,7 +118,10 @@ def _token_id(raw: dict, key: str, file: Path):
 ROPE_TYPES = ("default", "dynamic", "llama3", "linear", "yarn")
 
 
-def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
+MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}  # transformers' defaults
+
+
+def _rope(raw: dict, file: Path, max_positions: int) -> tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling) from v4 fields (rope_theta, rope_scaling) or v5 `rope_parameters`.
 
     Dynamic NTK scaling (transformers recomputes the frequencies once a sequence passes
@@ -133,7 +139,8 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
         _positive_number(raw, "rope_theta", file, 10000.0)
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise CheckpointError(f"{file}: field '{key}.rope_type' is {kind!r}, which specpipe does not implement "
+        named = "rope_type" if "rope_type" in rp else "type"  # Phi-3 and older configs say `type`
+        raise CheckpointError(f"{file}: field '{key}.{named}' is {kind!r}, which specpipe does not implement "
                               f"(valid: {', '.join(ROPE_TYPES)})")
     factor = rp.get("factor")
     derived = kind == "yarn" and "factor" in rp and factor is None  # DeepSeek-style: set from the lengths below
@@ -157,9 +164,9 @@ def _rope(raw: dict, file: Path) -> tuple[float, Optional[dict]]:
         orig = "original_max_position_embeddings"
         scaling[orig] = _int_field(raw, orig, file) if raw.get(orig) is not None else \
             _int_field(scaling, orig, file, name=f"{key}.{orig}") if scaling.get(orig) is not None else \
-            _int_field(raw, "max_position_embeddings", file)
+            max_positions
     if derived:  # transformers 5: a yarn `factor: null` is max_position_embeddings / the pretraining length
-        scaling["factor"] = _int_field(raw, "max_position_embeddings", file) / scaling[orig]
+        scaling["factor"] = max_positions / scaling[orig]
     return theta, scaling
 
 
@@ -217,7 +224,10 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
     if not is_int(head_dim) or head_dim < 2 or head_dim % 2:
         raise CheckpointError(f"{file}: field 'head_dim' (or hidden_size / num_attention_heads) is {head_dim!r}; "
                               f"RoPE needs a positive even head dimension")
-    theta, scaling = _rope(raw, file)
+    # absent or null: the family's transformers default (LlamaConfig 2048, MistralConfig 131072, Qwen 32768)
+    max_positions = _int_field(raw, "max_position_embeddings", file) if raw.get("max_position_embeddings") \
+        is not None else MAX_POSITIONS.get(family, 4096)
+    theta, scaling = _rope(raw, file, max_positions)
     window, types = _window(raw, family, layers, file)
     eos = _token_id(raw, "eos_token_id", file)
     extra = {"architecture": (raw.get("architectures") or [None])[0], "family": family, "source": str(file.parent)}
@@ -228,8 +238,7 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         intermediate_size=_int_field(raw, "intermediate_size", file), head_dim=head_dim,
         rms_norm_eps=_positive_number(raw, "rms_norm_eps", file, 1e-6), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=_int_field(raw, "max_position_embeddings", file, 4096)
-        if raw.get("max_position_embeddings") is not None else 4096,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
         o_proj_bias=o_bias, qk_norm=family == "qwen3", mlp_bias=bool(raw.get("mlp_bias")),
         sliding_window=window, layer_types=types, bos_token_id=_token_id(raw, "bos_token_id", file), eos_token_id=eos,

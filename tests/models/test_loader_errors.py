@@ -181,6 +181,12 @@ def test_config_errors(target_copy, edit_config):
     cfg = str(target_copy / "config.json")
     edit_config(target_copy, architectures=["GPT2LMHeadModel"])
     _raises(lambda: load_target(target_copy), cfg, "'architectures'", "GPT2LMHeadModel", "LlamaForCausalLM")
+    edit_config(target_copy, architectures=None, model_type="gemma")  # the model type is the reason, not None
+    _raises(lambda: load_target(target_copy), cfg, "field 'model_type' is 'gemma'", "llama, mistral, qwen2")
+    edit_config(target_copy, model_type="llama", architectures=["LlamaForCausalLM"],
+                rope_scaling={"type": "longrope", "factor": 2.0})  # Phi-3's spelling
+    _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.type' is 'longrope'")
+    edit_config(target_copy, rope_scaling=None)
     edit_config(target_copy, architectures=["LlamaForCausalLM"], hidden_size=None)
     _raises(lambda: load_target(target_copy), cfg, "'hidden_size' is missing")
     edit_config(target_copy, hidden_size=64, rope_scaling={"rope_type": "longrope", "factor": 2.0})
@@ -194,7 +200,8 @@ def test_config_errors(target_copy, edit_config):
     edit_config(target_copy, head_dim=None, architectures=["MistralForCausalLM"])  # MistralConfig: 8 KV heads
     _raises(lambda: load_target(target_copy), cfg, "'num_key_value_heads' is 8, which does not divide")
     edit_config(target_copy, num_key_value_heads=2, sliding_window=0)
-    _raises(lambda: load_target(target_copy), cfg, "'sliding_window' must be a positive integer, got 0")
+    msg = _raises(lambda: load_target(target_copy), cfg, "'sliding_window' must be a positive integer, got 0")
+    assert "required" not in msg  # null is valid (no window): only an absent required field is "required"
     edit_config(target_copy, architectures=["LlamaForCausalLM"], sliding_window=None)
     edit_config(target_copy, rope_scaling={"rope_type": "yarn", "factor": "4x"})
     _raises(lambda: load_target(target_copy), cfg, "'rope_scaling.factor' must be a positive number, got '4x'")
@@ -296,6 +303,13 @@ def test_parse_config_variants():
     ctx = parse_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": no_ctx,
                         "max_position_embeddings": 128}, f)
     assert ctx.rope_scaling["original_max_position_embeddings"] == 128
+    # max_position_embeddings absent: each family's transformers default (it bounds prompt plus output here)
+    for arch, n in (("LlamaForCausalLM", 2048), ("MistralForCausalLM", 131072), ("Qwen2ForCausalLM", 32768),
+                    ("Qwen3ForCausalLM", 32768)):
+        assert parse_config({**base, "architectures": [arch], "num_key_value_heads": 4}, f).max_position_embeddings \
+            == n, arch
+    bare_llama3 = parse_config({**base, "architectures": ["LlamaForCausalLM"], "rope_scaling": no_ctx}, f)
+    assert bare_llama3.rope_scaling["original_max_position_embeddings"] == 2048  # was refused as missing
     # attention biases: Qwen2 q/k/v only; Llama and Qwen3 attention_bias adds o_proj's; Qwen3 q/k norms
     llama_b = parse_config({**base, "architectures": ["LlamaForCausalLM"], "attention_bias": True}, f)
     assert llama_b.attention_bias and llama_b.o_proj_bias and not llama_b.qk_norm
