@@ -62,11 +62,17 @@ class LlamaConfig:
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
-    """Inverse frequencies, with llama3-style scaling or linear scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    """Inverse frequencies (float32), with llama3, linear or YaRN scaling when configured.
+
+    Computed in float32 op for op as transformers does (vLLM and sglang compute in float32 too), so cos/sin
+    equal HF's bit for bit: float64 frequencies gave cos/sin 7e-4 apart from HF's at position 8k in float32,
+    and rounded differently in bf16."""
+    d, base = cfg.head_dim, cfg.rope_theta
     rs = cfg.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type"))
+    if kind == "yarn":
+        return yarn_inv_freq(d, base, rs)
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if kind == "llama3":
         factor = rs["factor"]
         lo, hi = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
@@ -76,20 +82,18 @@ def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
         scaled = torch.where(wavelen > lo_wl, inv / factor, inv)
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
         mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= hi_wl) & (wavelen <= lo_wl)
+        is_mid = ~(wavelen < hi_wl) * ~(wavelen > lo_wl)
         inv = torch.where(is_mid, mid, scaled)
     elif kind == "linear":
         inv = inv / rs["factor"]
-    elif kind == "yarn":
-        inv = yarn_inv_freq(inv, d, cfg.rope_theta, rs)
     elif kind not in (None, "default"):
         raise ValueError(f"rope_scaling type {kind!r} is not supported (valid: llama3, linear, yarn, default)")
     return inv
 
 
-def yarn_inv_freq(inv: Tensor, d: int, theta: float, rs: dict) -> Tensor:
-    """YaRN: interpolated (inv / factor) low frequencies, original high ones, a linear ramp between the
-    dimensions that rotate beta_slow and beta_fast times over the original context."""
+def yarn_inv_freq(d: int, theta: float, rs: dict) -> Tensor:
+    """YaRN: interpolated (1 / (factor * base^(i/d))) low frequencies, original high ones, a linear ramp between
+    the dimensions that rotate beta_slow and beta_fast times over the original context."""
     factor, ctx = rs["factor"], rs["original_max_position_embeddings"]
     fast, slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
 
@@ -102,8 +106,10 @@ def yarn_inv_freq(inv: Tensor, d: int, theta: float, rs: dict) -> Tensor:
     lo, hi = max(lo, 0), min(hi, d - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)  # 1: interpolate
-    return inv / factor * ramp + inv * (1 - ramp)
+    pos_freqs = theta ** (torch.arange(0, d, 2).float() / d)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # 1: original frequency
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def rope_attention_scale(cfg: LlamaConfig) -> float:
@@ -169,13 +175,23 @@ class DecoderLayer(nn.Module):
 
 
 class Rotary(nn.Module):
+    """cos/sin in float32 as transformers computes them, cast to the model's dtype at the end."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
+        self._inv_freq = rope_inv_freq(cfg)  # the float32 master copy (a plain attribute: .to() leaves it)
+        self.register_buffer("inv_freq", self._inv_freq.clone(), persistent=False)
         self.scale = rope_attention_scale(cfg)
 
+    def _apply(self, fn, recurse=True):
+        """A dtype cast of the model (`.to(torch.bfloat16)`) moves the buffer but never rounds the frequencies."""
+        super()._apply(fn, recurse)
+        if not self.inv_freq.is_meta:
+            self.inv_freq = self._inv_freq.to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions[..., None].to(torch.float64) * self.inv_freq.to(torch.float64)  # [B, Q, D/2]
+        freqs = positions[..., None].float() * self.inv_freq  # [B, Q, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, Q, 1, D]
         if self.scale == 1.0:
             return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -159,3 +159,35 @@ def test_rope_settings_given_twice_resolve_as_in_transformers(transformers, make
     mine = load_target(folder).rotary
     assert torch.allclose(mine.inv_freq.float(), ref.inv_freq.float(), rtol=1e-6, atol=0)
     assert mine.scale == pytest.approx(float(ref.attention_scaling))
+
+
+@pytest.mark.parametrize("rope", [
+    None, {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.8, "mscale_all_dim": 0.5, "truncate": False},
+])
+def test_rope_cos_sin_equal_transformers_bit_for_bit(transformers, make_hf_model, edit_config, tmp_path, rope):
+    """RoPE is computed in float32 as transformers does: cos/sin at positions up to 8k equal HF's exactly, in
+    float32 and bfloat16 (float64 frequencies were 7e-4 off at 8k in float32, and rounded differently in bf16)."""
+    folder = tmp_path / "m"
+    make_hf_model("llama").save_pretrained(folder)
+    edit_config(folder, rope_scaling=rope, rope_theta=5e5)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).model.rotary_emb
+    mine = load_target(folder).rotary
+    assert torch.equal(mine.inv_freq, ref.inv_freq)
+    pos = torch.arange(8192)[None]
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = mine(pos, dtype)
+        want_cos, want_sin = ref(torch.zeros(1, dtype=dtype), pos)
+        assert torch.equal(cos[:, :, 0], want_cos) and torch.equal(sin[:, :, 0], want_sin), dtype
+
+
+def test_a_dtype_cast_of_the_model_keeps_float32_rope_frequencies():
+    """model.to(torch.bfloat16) casts buffers; the frequencies stay float32 (bf16 ones are off by up to 0.4%)."""
+    exact = build_random_tiny(dtype="float32").target.rotary.inv_freq
+    for dtype in ("bfloat16", "float16", "float64"):
+        rotary = build_random_tiny(dtype=dtype).target.rotary
+        assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, exact), dtype
