@@ -532,6 +532,9 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         if partial is not None:
             partial.close()
     summary = metrics.summary(wall, recompile_count() - compiles_before)
+    from specpipe.sweep import prompts_digest
+
+    summary["prompts_sha256"] = prompts_digest(items)  # resume=true compares it
     summary["recompile_limit_hits"] = recompile_limit_hits() - limits_before
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_pool_slots"] = int(allocator.main_pool.size)  # what num_slots=null resolved to

@@ -11,6 +11,7 @@ end of the sweep, lists the jobs that failed and exits with status 1 when there 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -142,8 +143,40 @@ def _same_run(stored: dict, current: dict, job: Optional[DictConfig] = None) -> 
     return same(strip(stored), strip(current), ())
 
 
+def prompts_digest(items: list) -> str:
+    """sha256 of the prompts a run decoded (each one's JSON object, keys sorted), kept in metrics.json as
+    `prompts_sha256`: resume=true compares it, so a prompts file rewritten under the same name runs again."""
+    h = hashlib.sha256()
+    for it in items:
+        h.update(json.dumps(it, sort_keys=True, default=str).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _same_prompts(cfg: DictConfig, stored: dict, where: Path) -> bool:
+    want = stored.get("prompts_sha256")
+    if want is None:  # a run of an older specpipe: its config is all there is to compare
+        return True
+    w = cfg.workload
+    if w.prompts_file == "-":
+        print(f"resume: {where}: its prompts came from standard input, which cannot be compared with the earlier "
+              f"run's, so the job runs again", file=sys.stderr)
+        return False
+    from specpipe.workload import load_prompts
+
+    try:
+        items = load_prompts(w.prompts_file, w.prompt_set, w.num_prompts)
+    except Exception:  # the run itself reports what is wrong with the file
+        return False
+    if prompts_digest(items) != want:
+        print(f"resume: {where}: the prompts differ from the earlier run's (workload.prompts_file changed since), "
+              f"so the job runs again", file=sys.stderr)
+        return False
+    return True
+
+
 def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
-    """The job's stored metrics when out_dir already holds a finished run of this same config, else None.
+    """The job's stored metrics when out_dir already holds a finished run of this same config and prompts, else
+    None.
 
     Comparing configs matters because Hydra names job dirs by job number: re-running a stable
     sweep dir with different values must not reuse job 3's old results for a new job 3. A metrics.json
@@ -163,7 +196,9 @@ def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
         return None
     job = copy.deepcopy(cfg)
     expand_user_paths(job)  # the stored config has its paths made absolute, as the run saw them
-    return stored if _same_run(stored.get("config", {}), to_container(job), job) else None
+    if not _same_run(stored.get("config", {}), to_container(job), job):
+        return None
+    return stored if _same_prompts(job, stored, path.parent) else None
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -214,15 +249,22 @@ def clear_outputs(out_dir: str) -> None:
     """Clear what an earlier run left in a job's folder before the job runs there again (a re-sweep into the same
     hydra.sweep.dir, or a resumed job that was not finished): an interrupted, killed or failed job must not be
     left beside an older run's metrics.json, which the report and resume would take for this job's. The earlier
-    results are renamed to metrics.json.prev / completions.jsonl.prev / completions.partial.jsonl.prev (replacing
-    older ones), never deleted."""
+    results are renamed to metrics.json.prev / completions.jsonl.prev / completions.partial.jsonl.prev, never
+    deleted: an older NAME.prev moves on to the first free NAME.prev.2, NAME.prev.3, ... (two interrupted runs in a
+    row lost the first one's finished requests when the second's replaced its .prev)."""
     for name in RUN_OUTPUTS:
         path = Path(out_dir) / name
         try:
             if path.is_dir() or not path.exists():  # (a folder of that name was never ours)
                 continue
             if name in KEPT_OUTPUTS:
-                os.replace(path, path.with_name(name + ".prev"))
+                prev = path.with_name(name + ".prev")
+                if prev.exists():
+                    n = 2
+                    while prev.with_name(f"{prev.name}.{n}").exists():
+                        n += 1
+                    os.replace(prev, prev.with_name(f"{prev.name}.{n}"))
+                os.replace(path, prev)
             else:
                 path.unlink()
         except OSError:  # a read-only leftover: the run's own write then fails and says so

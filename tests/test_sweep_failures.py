@@ -173,3 +173,18 @@ def test_a_crashed_job_scores_what_its_sweeper_accepts(tmp_path, preset, plugin)
     assert math.isnan(ret.return_value) if plugin is None else ret.return_value == -math.inf
     err = json.loads((tmp_path / "error.json").read_text())
     assert err["error"] == "crashed: RuntimeError: boom" and err["overrides"] == ["draft.topk=2", "draft.num_steps=3"]
+
+
+def test_results_set_aside_twice_keep_every_earlier_run(tmp_path):
+    """Two interrupted runs in a row: the second set-aside replaced the first's completions.partial.jsonl.prev,
+    losing the requests the first run had finished."""
+    from specpipe.sweep import clear_outputs
+
+    partial = tmp_path / "completions.partial.jsonl"
+    for text in ("first\n", "second\n", "third\n"):
+        partial.write_text(text)
+        clear_outputs(str(tmp_path))
+    assert not partial.exists()
+    assert (tmp_path / "completions.partial.jsonl.prev").read_text() == "third\n"  # the newest
+    assert (tmp_path / "completions.partial.jsonl.prev.2").read_text() == "first\n"  # then in the order set aside
+    assert (tmp_path / "completions.partial.jsonl.prev.3").read_text() == "second\n"

@@ -319,3 +319,28 @@ def test_jobs_that_would_share_a_folder_are_skipped_not_overwritten(tmp_path):
     for folder in ("1", "2"):  # the first job's results stay
         config = json.loads((tmp_path / folder / "metrics.json").read_text())["config"]
         assert config["allocator"]["_target_"].endswith("TokenAllocator")
+
+
+def test_resume_runs_a_job_again_when_its_prompts_file_was_rewritten(tmp_path, capsys):
+    """The config names the prompts file, not what it holds: a file rewritten under the same name was skipped
+    as finished, leaving the old prompts' completions."""
+    from specpipe.app import run
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n')
+    cfg = compose(*SMALL, f"workload.prompts_file={prompts}")
+    out = tmp_path / "run"
+    run(cfg, out_dir=str(out), quiet=True)
+    assert finished_metrics(cfg, str(out)) is not None  # the same file: finished
+    prompts.write_text('{"prompt": "class A:"}\n{"prompt": "import os"}\n')
+    capsys.readouterr()
+    assert finished_metrics(cfg, str(out)) is None
+    assert "the prompts differ from the earlier run's" in capsys.readouterr().err
+    stored = json.loads((out / "metrics.json").read_text())
+    del stored["prompts_sha256"]  # a run of an older specpipe: only its config can be compared
+    (out / "metrics.json").write_text(json.dumps(stored))
+    assert finished_metrics(cfg, str(out)) is not None
+    cfg.workload.prompts_file = "-"
+    stored["prompts_sha256"] = "0" * 64
+    (out / "metrics.json").write_text(json.dumps(stored))
+    assert finished_metrics(cfg, str(out)) is None  # standard input cannot be compared: the job runs again
