@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -72,8 +73,12 @@ def hydra_main(cfg: DictConfig) -> float:
             raise
         from specpipe.app import PartialCompletions
 
-        print(f"specpipe: interrupted; the requests that had finished are in {out_dir}/{PartialCompletions.NAME} "
-              f"(in the order they finished; no metrics.json was written)", file=sys.stderr)
+        partial = Path(out_dir) / PartialCompletions.NAME
+        if partial.is_file():
+            print(f"specpipe: interrupted; the requests that had finished are in {partial} (in the order they "
+                  f"finished; no metrics.json was written)", file=sys.stderr)
+        else:  # stopped before decoding began (loading the model, reading the prompts)
+            print("specpipe: interrupted before decoding began; nothing was written", file=sys.stderr)
         sys.exit(130)
     except SpecpipeError as e:
         msg = str(e) if str(e).startswith("specpipe:") else f"specpipe: {e}"  # every user error reads the same

@@ -128,3 +128,22 @@ def test_ctrl_c_while_the_configs_are_checked_exits_130_without_a_traceback(monk
     with pytest.raises(SystemExit) as e:
         entry.main()
     assert e.value.code == 130 and capsys.readouterr().err.strip() == "specpipe: interrupted"
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_ctrl_c_names_the_partial_file_only_when_there_is_one(tmp_path, monkeypatch, capsys, decoding):
+    """Ctrl-C while the model loads said the finished requests were in a completions.partial.jsonl that did not
+    exist."""
+    import specpipe.__main__ as entry
+    import specpipe.app as app
+
+    def stopped(cfg, out_dir=None, **kw):
+        if decoding:  # the run had begun writing its partial file
+            (Path(out_dir) / "completions.partial.jsonl").write_text("")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(app, "run", stopped)
+    monkeypatch.setattr(sys, "argv", ["specpipe", "model=random_tiny", f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and ("completions.partial.jsonl" in err) == decoding, err
