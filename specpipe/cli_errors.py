@@ -96,7 +96,7 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
         if m:
             val, typ, key = m.groups()
             kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(typ, typ)
-            typed = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == key), None)
+            typed = next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+") == key), None)
             shown = repr(typed) if typed is not None and typed != val else repr(val)
             if typed is not None and typed != val:  # 1e3 is read as the float 1000.0
                 shown += f" (read as {val})"
@@ -170,7 +170,7 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
                 more = {"launcher": "joblib, ray or slurm", "sweeper": "optuna"}.get(kind, "joblib, ray, slurm, optuna")
                 return (f"specpipe: invalid override {group}={opt}: there is no {kind} '{opt}'{have}; the optional "
                         f"extras ({more}) add plugins, e.g. pip install -e '.[{more.split(',')[0]}]'.")
-            typed = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == group), None)
+            typed = next((o.split("=", 1)[1] for o in reversed(overrides) if o.lstrip("+").split("=", 1)[0] == group), None)
             preset = next((o for o in overrides if o.lstrip("+").startswith("sweep=")), None)
             what = f"{group}={typed or opt}" if typed in (None, opt) else f"{group}={typed} (it extends '{opt}')"
             if typed is None and preset is not None:
@@ -222,7 +222,7 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
         valid = valid_keys(full)
         hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
         group = full.split(".")[0]
-        chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == group), None)
+        chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+") == group), None)
         if chosen is not None and "." in full and group_options(group):  # the key belongs to other options of the group (a sweep's point)
             return (f"specpipe: invalid override: '{full}' is not a setting of {group}={chosen}{hint}; in a sweep every "
                     f"point gets every override, so sweep the {group} options that take it in a command of their "
@@ -626,6 +626,31 @@ def preset_problem(msg: str, from_preset: list[str], base) -> str:
             f"keys yourself (python -m specpipe -m {group}={chosen} {group}.KEY=v1,v2).")
 
 
+NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def number_for_a_bool(parsed, base) -> Optional[str]:
+    """OmegaConf reads a number given for a true/false setting as its truth (workload.ignore_eos=2 is true): the
+    error for the first such override, or None."""
+    from omegaconf import OmegaConf
+
+    for p in parsed:
+        key = p.get_key_element().lstrip("+~")
+        if key.startswith("hydra"):
+            continue
+        try:
+            if not isinstance(OmegaConf.select(base, key, default=None), bool):
+                continue
+            values = list(p.sweep_string_iterator()) if p.is_sweep_override() else [p.value()]
+        except Exception:  # not a plain key (a group, a glob): composing names what is wrong
+            continue
+        bad = next((v for v in values if not isinstance(v, bool) and NUMBER.fullmatch(str(v).strip())), None)
+        if bad is not None:
+            return (f"specpipe: invalid value for {key}: {str(bad)!r} is not true or false; give {key}=true or "
+                    f"{key}=false.")
+    return None
+
+
 def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     """The reworded error for the first bad override combination, or None when all compose and validate.
     `api`: overrides of SpecPipe(...), which writes no Hydra output folder."""
@@ -703,6 +728,9 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
                     f"folders searched (valid: {', '.join(mine)}); a primary config of your own is "
                     f"myconf/NAME.yaml, used as -cd myconf -cn NAME.")
         return reword(e, first, dirs)
+    bad_bool = number_for_a_bool(parsed, base)
+    if bad_bool is not None:
+        return bad_bool
     multirun = c.multirun or str(base.hydra.mode) == "RunMode.MULTIRUN"  # sweep presets set hydra.mode
     swept = [p for p in parsed if p.is_sweep_override()]
     if c.prints and (c.multirun or swept):

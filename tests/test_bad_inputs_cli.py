@@ -106,6 +106,10 @@ CASES = [
     (["allocator=token", "allocator.window=64"], "'allocator.window' is not a setting of allocator=token (valid keys", True),
     (["allocator=paged", "allocator.page_size=1048576"], "allocator.page_size=1048576 is larger than the model's "
      "context of", False),
+    (["workload.max_new_tokens=abc"], "workload.max_new_tokens: 'abc' is not an integer", True),  # given twice: the
+    # last wins, as in Hydra (SMALL sets 4 first, which the message quoted)
+    (["workload.ignore_eos=2"], "workload.ignore_eos: '2' is not true or false", True),  # OmegaConf read 2 as true
+    (["workload.logprobs=0"], "workload.logprobs: '0' is not true or false", True),
     (["allocator.page_size=2"], "the token allocator has page size 1 (every slot on its own); use allocator=paged", True),
     (["model=hf", "model.path=/tmp/" + "x" * 5000], "cannot be a path here (File name too long)", True),
 ]
