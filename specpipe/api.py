@@ -356,7 +356,8 @@ class SpecPipe:
             prompts = prompts.tolist()
         elif hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 1:  # [T] ids: one prompt; [N] texts
             listed = prompts.tolist()
-            prompts = [listed] if listed and all(isinstance(t, int) for t in listed) else listed
+            # numbers (float ids too: one prompt, refused with its own error, not each id as a text) or texts
+            prompts = [listed] if listed and all(isinstance(t, (int, float)) for t in listed) else listed
         elif not isinstance(prompts, (list, tuple)):
             try:
                 prompts = list(prompts)  # a generator, a dataset column

@@ -86,6 +86,8 @@ def test_numpy_and_torch_values_are_numbers_too():
     assert all(type(t) is int for o in out for t in o.output_ids)
     with pytest.raises(SpecpipeError, match="on_event=5 must be a function"):
         sp.generate(["x"], on_event=5)
+    floats = sp.generate(torch.tensor([104.0, 105.0]), max_new_tokens=4)  # one prompt of ids, not two texts
+    assert len(floats) == 1 and '"prompt_ids" must be a list of integers' in floats[0].error
 
 
 def test_bad_generate_arguments():
