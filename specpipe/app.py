@@ -468,6 +468,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
 
     use_build_inductor_cache()  # before anything asks inductor for its cache folder
     validate(cfg)
+    if out_dir is not None:
+        check_output_names(Path(out_dir))
     if items is None:
         items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
     device = build(cfg.device, "device")
@@ -599,6 +601,19 @@ def completion_record(r: Request, tokenizer) -> dict:
     if r.error:
         rec["error"] = r.error
     return rec
+
+
+OUTPUT_FILES = ("completions.partial.jsonl", "completions.jsonl.tmp", "completions.jsonl", "metrics.json.tmp",
+                "metrics.json")
+
+
+def check_output_names(out: Path) -> None:
+    """A folder where an output file goes fails before decoding: its write would fail only at the run's end."""
+    taken = [n for n in OUTPUT_FILES if (out / n).is_dir()]
+    if taken:
+        raise ConfigError(f"the output folder {out} holds a folder named {taken[0]}, where the run writes its file of "
+                          f"that name; move that folder away, or give another output folder (hydra.run.dir, or "
+                          f"out_dir in the Python API)")
 
 
 class PartialCompletions:

@@ -227,3 +227,13 @@ def test_a_sweep_over_options_that_do_not_share_a_key_says_so():
     msg = precheck(["-m", *SMALL, "allocator=token,hisparse", "allocator.host_to_device_ratio=2"])
     assert "'allocator.host_to_device_ratio' is not a setting of allocator=token" in msg
     assert "sweep the allocator options that take it in a command of their own" in msg
+
+
+@pytest.mark.parametrize("name", ["completions.jsonl", "metrics.json"])
+def test_a_folder_where_an_output_file_goes_exits_2_before_decoding(tmp_path, name):
+    """It decoded the whole workload, then exited 1 with 'Is a directory' and a wrong hint (free space)."""
+    (tmp_path / "run" / name).mkdir(parents=True)
+    p = subprocess.run([sys.executable, "-m", "specpipe", *SMALL, f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and f"holds a folder named {name}" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "run" / "completions.partial.jsonl").exists()  # nothing decoded
