@@ -406,7 +406,10 @@ def varied_keys(jobs: list[Job]) -> tuple[list[str], dict[str, str]]:
 def lost_requests(metrics: Optional[dict]) -> float:
     """How many of a finished job's requests failed (0 when metrics.json does not say)."""
     n = (metrics or {}).get("num_errors") or 0
-    return float(n) if is_number(n) else 0.0
+    try:
+        return float(n) if is_number(n) and not (isinstance(n, float) and math.isnan(n)) else 0.0
+    except OverflowError:  # an integer past float's range (a damaged file): many
+        return float("inf")
 
 
 def request_failures(metrics: Optional[dict]) -> str:

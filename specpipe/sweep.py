@@ -91,7 +91,7 @@ def metrics_problem(m: dict, keys=("tokens_per_s", "step_latency_ms_p90")) -> Op
     for k in (*keys, "accept_length_mean"):
         if m.get(k) is not None and not is_number(m[k]):
             return f"metrics.json has {k}={json.dumps(m[k])[:40]}, not a number"
-        if is_number(m.get(k)) and not math.isnan(m[k]) and not _finite(m[k]):
+        if is_number(m.get(k)) and not (isinstance(m[k], float) and math.isnan(m[k])) and not _finite(m[k]):
             return f"metrics.json has {k}={json.dumps(m[k])[:40]}, not a finite number"
     cfg = m.get("config", {})
     if not isinstance(cfg, dict):
@@ -386,7 +386,11 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from specpipe.report import failure_summary
 
-        text = failure_summary(Path(str(config.hydra.sweep.dir)), since=self.started)
+        try:
+            text = failure_summary(Path(str(config.hydra.sweep.dir)), since=self.started)
+        except Exception as e:  # a warning from Hydra would end the sweep with status 0 and no list of failures
+            text = (f"specpipe: the list of this sweep's failed jobs could not be made ({crash_message(e)}); run "
+                    f"python -m specpipe.report {config.hydra.sweep.dir} to see each job's status")
         if COLLIDED:  # jobs that shared a folder with an earlier job: skipped, and never in an error.json
             text = "\n".join([*([text] if text else []), *(f"specpipe: {c}" for c in COLLIDED)])
             COLLIDED.clear()

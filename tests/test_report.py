@@ -74,6 +74,8 @@ DAMAGED = {  # job -> (file, contents, what the report must say about it)
            ", not a finite number"),  # an integer no float holds: it crashed the report with an OverflowError
     "12": ("metrics.json", b'{"tokens_per_s": 1.0, "config": {"mod', "metrics.json is unreadable (truncated JSON: "
            "Unterminated string starting at line 1 column 34)"),
+    "13": ("metrics.json", b'{"tokens_per_s": 1.0, "accept_length_mean": 1' + b"0" * 400 + b"}",
+           "accept_length_mean=1" + "0" * 39 + ", not a finite number"),  # math.isnan raised on it
 }
 
 
@@ -91,7 +93,7 @@ def test_damaged_job_files_are_reported_with_what_is_wrong(tmp_path, capsys):
         assert says in table[name]["error"], table[name]["error"]
         assert table[name]["error"] != UNFINISHED
     assert "Best: job 1" in (sweep / "report.md").read_text()
-    assert "13 jobs (10 without metrics)" in capsys.readouterr().out
+    assert "14 jobs (11 without metrics)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("where", ["file", "under_a_file"])
@@ -512,3 +514,16 @@ def test_an_earlier_sweeps_job_at_another_number_is_not_ranked(tmp_path):
         table = {r["job"]: r for r in csv.DictReader(f)}
     assert [j for j, r in table.items() if r["error"].startswith("not the newest sweep's point")] == ["2"]
     assert "Best: job 1" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("num_errors", ["1" + "0" * 400, "NaN"])
+def test_a_damaged_error_count_gets_no_traceback(tmp_path, num_errors):
+    """num_errors past float's range raised an OverflowError; NaN read as "nan of 2 requests failed"."""
+    sweep = make_sweep(tmp_path / "sweep")
+    m = json.loads((sweep / "0" / "metrics.json").read_text())
+    text = json.dumps({**m, "num_requests": 2}).rstrip("}") + f', "num_errors": {num_errors}}}'
+    (sweep / "0" / "metrics.json").write_text(text)
+    main([str(sweep)])
+    with open(sweep / "report.csv") as f:
+        row = {r["job"]: r for r in csv.DictReader(f)}["0"]
+    assert ("requests failed" in row["error"]) == (num_errors != "NaN"), row
