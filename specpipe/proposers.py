@@ -87,13 +87,18 @@ class EagleProposer:
             raise OutOfKVMemory("KV pool exhausted while drafting")
         sc.begin(prep, kv)
         anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
+        decode = self.draft_fwd.decode
+        if self.windowed and "decode" in getattr(self.draft_fwd, "wrapped", ()):
+            # inductor's code for a sliding-window head's decode (unbacked batch size) fails at its first call
+            # (NameError on an unbound size symbol): eager, as its extend
+            decode = partial(type(self.draft_fwd).decode, self.draft_fwd)
         ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
         blocks = [blk]
         for i in range(S - 1):
             anc = advance_visibility(anc, pb, i)
             sc.follow(prep, kv, pb, i)
             batch = prep.decorate(sc.step_batch(i, anc))
-            tp, ti, hout = self.draft_fwd.decode(ids.view(B, K), hid.view(B, K, -1), batch)
+            tp, ti, hout = decode(ids.view(B, K), hid.view(B, K, -1), batch)
             ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
             blocks.append(blk)
         prep.end_scratch(sc.state)

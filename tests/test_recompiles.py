@@ -161,6 +161,21 @@ def test_a_compiled_draft_extend_with_sliding_window_layers_does_not_recompile_p
     assert out["metrics"]["recompiles"] <= 2, out["metrics"]["recompiles"]
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_sliding_window_heads_compiled_decode_runs_eager(prompts_file, window):
+    """Inductor's code for a sliding-window head's draft decode failed at its first call (NameError: name 's27'
+    is not defined): such a head decodes eagerly, as it prefills; a head without windows still compiles it."""
+    from specpipe.app import run
+
+    path = prompts_file(["def f(x):", "class A:\n    pass"])
+    base = ["model=random_tiny", *([f"model.sliding_window={window}"] if window else []), "compile=eager",
+            f"workload.prompts_file={path}", "workload.max_new_tokens=8", "model_timing=false"]
+    eager = run(compose(*base), quiet=True)["requests"]
+    out = run(compose(*base, f"compile.draft_forward.decode={AOT}"), quiet=True)
+    assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in eager]
+    assert (out["metrics"]["recompiles"] == 0) == (window is not None), out["metrics"]["recompiles"]
+
+
 def test_a_branch_past_dynamos_recompile_limit_is_reported(prompts_file):
     """Past its recompile limit Dynamo runs a branch eager and compiles nothing more, so `recompiles` alone read as
     if all were well; recompile_limit_hits counts it (the fused top-k needs a graph per step kind, 3 > 1 here)."""
