@@ -249,8 +249,9 @@ def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, d
     if d.method == "standalone":
         from specpipe.drafters.standalone import StandaloneDrafter
 
-        return StandaloneProposer(StandaloneDrafter(pair.standalone, d.topk, d.num_steps, d.num_draft_tokens),
-                                  sampled_chain=sampled and d.topk == 1)
+        drafter = StandaloneDrafter(pair.standalone, d.topk, d.num_steps, d.num_draft_tokens,
+                                    fused_topk=bool(cfg.compile.draft_topk.fused))
+        return StandaloneProposer(drafter, sampled_chain=sampled and d.topk == 1)
     raise ConfigError(f"draft.method={d.method!r} is unknown")
 
 

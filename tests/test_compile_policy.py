@@ -144,3 +144,22 @@ def test_a_policy_for_a_branch_the_run_does_not_have_is_named(capsys):
     run(compose(*base, "draft=ngram", "sampling.temperature=1.0", "compile.draft_topk.later=compile"), quiet=True)
     listed = capsys.readouterr().err.split("the run's branches: ")[1]
     assert "verify.target_forward" in listed and "verify_sampling" not in listed  # (no compile.* key sets those)
+
+
+@pytest.mark.parametrize("draft", ["eagle", "standalone"])
+def test_compile_whole_fuses_the_draft_topk_of_every_model_drafter(draft):
+    """compile=whole (compile.draft_topk.fused=true) compiles the top-k as one function; the standalone drafter
+    ignored it and ran split's branches with no word."""
+    from specpipe.app import build_proposer
+    from specpipe.models.random_tiny import build_random_tiny
+
+    pair = build_random_tiny()
+    if draft == "standalone":
+        from specpipe.app import first_layer_copy
+
+        pair.standalone = first_layer_copy(pair.target)
+    for preset, fused in (("whole", True), ("split", False)):
+        cfg = compose("model=random_tiny", f"draft={draft}", f"compile={preset}")
+        proposer = build_proposer(cfg, pair, 2, 64, type("D", (), {"torch_device": "cpu"})())
+        stage = proposer.topk_stage if draft == "eagle" else proposer.sd.topk_stage
+        assert stage.fused_mode is fused, (draft, preset)

@@ -36,11 +36,12 @@ class StandaloneDrafter(Stage):
     name = "standalone_draft"
     model_branches = frozenset({"root_logits", "decode_logits", "extend"})
 
-    def __init__(self, model, topk: int, num_steps: int, num_draft_tokens: Optional[int] = None):
+    def __init__(self, model, topk: int, num_steps: int, num_draft_tokens: Optional[int] = None,
+                 fused_topk: bool = False):
         self.model = model
         self.K, self.S = topk, num_steps
         self.N = num_draft_tokens if num_draft_tokens is not None else num_steps + 1
-        self.topk_stage = DraftTopK(topk)
+        self.topk_stage = DraftTopK(topk, fused_topk)  # compile.draft_topk.fused (compile=whole), as EAGLE's
 
     def setup_kv(self, num_slots: int, dtype: Optional[torch.dtype] = None):
         return self.model.setup_kv(num_slots, dtype)
