@@ -604,12 +604,12 @@ def completion_record(r: Request, tokenizer) -> dict:
     return rec
 
 
-OUTPUT_FILES = ("completions.partial.jsonl", "completions.jsonl.tmp", "completions.jsonl", "metrics.json.tmp",
-                "metrics.json")
+OUTPUT_FILES = ("completions.jsonl.tmp", "completions.jsonl", "metrics.json.tmp", "metrics.json")
 
 
 def check_output_names(out: Path) -> None:
-    """A folder where an output file goes fails before decoding: its write would fail only at the run's end."""
+    """A folder where an output file goes fails before decoding: its write would fail only at the run's end.
+    (Without its partial file a run goes on, and says so.)"""
     taken = [n for n in OUTPUT_FILES if (out / n).is_dir()]
     if taken:
         raise ConfigError(f"the output folder {out} holds a folder named {taken[0]}, where the run writes its file of "
