@@ -107,6 +107,10 @@ def parse_policy(text: Any) -> BranchPolicy:
     if kind != "end":
         want = "'(' or the end" if k == 1 else "the end"
         raise PolicyError(text, pos, len(tok), f"unexpected {tok!r} after {text[:pos].strip()!r} (expected {want})")
+    if "mode" in opts and opts.get("backend", "inductor") != "inductor":  # torch.compile only warns, and ignores it
+        at = max(text.find("mode"), 0)
+        raise PolicyError(text, at, len("mode"), f"mode={opts['mode']} is an inductor setting, which "
+                          f"backend={opts['backend']} ignores; drop mode, or leave backend unset (inductor)")
     return BranchPolicy(mode, tuple(sorted(opts.items())))
 
 

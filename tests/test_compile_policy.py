@@ -63,6 +63,8 @@ def test_policy_str_is_canonical():
     ("compile;", ";", ["unexpected ';' after 'compile'"]),
     ("123", "123", ["unknown mode '123'"]),  # named whole, not by its first digit
     ("compile(dynamic=12)", "12", ["'12' is not a valid value for dynamic"]),
+    ("compile(backend=aot_eager, mode=max-autotune)", "mode", ["mode=max-autotune is an inductor setting, which "
+                                                               "backend=aot_eager ignores"]),  # torch only warned
 ])
 def test_parse_errors_point_at_the_bad_token(text, bad, words):
     with pytest.raises(PolicyError) as e:
