@@ -510,7 +510,7 @@ def plot(path: Path, jobs: list[Job], varied: list[str], best: Job) -> None:
 
     done = [j for j in jobs if j.tps is not None]
     xs = [j.tps for j in done]
-    ys = [float(j.metrics.get("accept_length_mean") or 1.0) for j in done]
+    ys = [plotted_acceptance(j.metrics.get("accept_length_mean")) for j in done]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     over = [j.within_limit is False for j in done]
     ax.scatter(xs, ys, s=28, zorder=2, edgecolors="tab:blue", facecolors=["none" if o else "tab:blue" for o in over])
@@ -526,8 +526,17 @@ def plot(path: Path, jobs: list[Job], varied: list[str], best: Job) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def plotted_acceptance(v) -> float:
+    """A job's acceptance length on the plot: 1 (one token a step, as draft=none) when it has none, or none
+    finite (a NaN one left the best job's point and star undrawn)."""
+    try:
+        return float(v) if is_number(v) and math.isfinite(v) else 1.0
+    except OverflowError:
+        return 1.0
 
 
 def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Job], str]:
@@ -540,10 +549,23 @@ def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Jo
     header, table = rows(jobs, varied)
     best = best_job(jobs)
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "report.csv", header, table)
     md = markdown(header, table, fixed, best, varied, older_note(sweep_dir, older))
-    (out / "report.md").write_text(md, encoding="utf-8")
-    plot(out / "report.png", jobs, varied, best)
+    # all three or none: each is written aside, then renamed (a report.png that could not be written left a new
+    # report.csv and report.md beside the old plot)
+    tmp = {name: out / f".{name}.tmp" for name in ("report.csv", "report.md", "report.png")}
+    try:
+        write_csv(tmp["report.csv"], header, table)
+        tmp["report.md"].write_text(md, encoding="utf-8")
+        plot(tmp["report.png"], jobs, varied, best)
+        for name, path in tmp.items():
+            if (out / name).is_dir():
+                raise IsADirectoryError(21, "Is a directory", str(out / name))
+    except BaseException:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        raise
+    for name, path in tmp.items():
+        os.replace(path, out / name)
     return jobs, md
 
 

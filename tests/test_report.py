@@ -527,3 +527,27 @@ def test_a_damaged_error_count_gets_no_traceback(tmp_path, num_errors):
     with open(sweep / "report.csv") as f:
         row = {r["job"]: r for r in csv.DictReader(f)}["0"]
     assert ("requests failed" in row["error"]) == (num_errors != "NaN"), row
+
+
+def test_a_report_that_cannot_be_written_whole_changes_none_of_its_files(tmp_path, capsys):
+    """report.png could not be written (a folder of that name), but report.csv and report.md had been rewritten
+    already: a half-updated set."""
+    sweep = make_sweep(tmp_path / "sweep")
+    main([str(sweep)])
+    before = {n: (sweep / n).read_bytes() for n in ("report.csv", "report.md")}
+    m = json.loads((sweep / "0" / "metrics.json").read_text())
+    (sweep / "0" / "metrics.json").write_text(json.dumps({**m, "tokens_per_s": 999.0}))  # a different table
+    (sweep / "report.png").unlink()
+    (sweep / "report.png").mkdir()
+    with pytest.raises(SystemExit) as e:
+        main([str(sweep)])
+    assert e.value.code == 2 and "report.png" in capsys.readouterr().err
+    assert {n: (sweep / n).read_bytes() for n in before} == before
+    assert not list(sweep.glob(".report*.tmp"))
+
+
+def test_the_plot_puts_a_job_without_a_finite_acceptance_length_at_one():
+    from specpipe.report import plotted_acceptance
+
+    assert [plotted_acceptance(v) for v in (2.5, None, float("nan"), float("inf"), 10 ** 400, "x")] == \
+        [2.5, 1.0, 1.0, 1.0, 1.0, 1.0]
