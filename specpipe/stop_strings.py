@@ -28,6 +28,9 @@ class StopStrings:
         self.silent = frozenset(silent_ids)  # ids that decode to nothing (special tokens): the window skips them
         self.context = list(context)
         self.window = max(len(s.encode("utf-8")) for s in self.stops) + 8  # a token is at least one byte
+        # a stop string holding U+FFFD is matched only against finished characters: a trailing U+FFFD may be the
+        # first bytes of a character the next token completes (vLLM holds such text back too)
+        self.replacement = any("\ufffd" in s for s in self.stops)
 
     def hit(self, output_ids: list) -> bool:
         """Whether the newest token completed a stop string (called after every appended token)."""
@@ -44,6 +47,8 @@ class StopStrings:
             text = decode_after(self.decode, self.context, output_ids)
         else:  # a window that starts inside a character would decode its whole byte run as U+FFFD
             text = self.decode(output_ids[clean_start(self.decode, output_ids, start):])
+        if self.replacement:
+            text = text.rstrip("\ufffd")
         return any(s in text for s in self.stops)
 
 

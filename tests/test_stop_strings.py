@@ -89,3 +89,17 @@ def test_long_non_ascii_stop_strings_fit_the_window_of_byte_tokens():
     for stop in ("中文中文中文", "😀😀😀😀😀", "é" * 20):
         ids = tok.encode("some text before " * 4 + stop)
         assert StopStrings([stop], tok.decode).hit(ids), stop
+
+
+def test_a_replacement_character_stop_waits_for_the_character_to_finish():
+    """Bytes 0xCE 0xA7 are 'Χ': after the first alone the text ends in U+FFFD, which fired a "\\ufffd" stop one
+    token before the character was complete. A byte that stays invalid still stops, once it is followed."""
+    from specpipe.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    s = StopStrings(["\ufffd"], tok.decode)
+    out = [117, 0xCE]
+    assert not s.hit(out)  # 'u' + the first byte of 'Χ'
+    assert not s.hit(out + [0xA7])  # 'uΧ'
+    assert s.hit([117, 0xFF, 118])  # 0xFF is never valid UTF-8: U+FFFD, then 'v'
+    assert StopStrings(["x"], tok.decode).hit([117, 0xCE, 120])  # other stops are matched as before
