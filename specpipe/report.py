@@ -436,11 +436,16 @@ def sort_jobs(jobs: list[Job]) -> list[Job]:
     return done + [j for j in jobs if j.tps is None]
 
 
+def _num(v: float, digits: int) -> str:
+    """Fixed digits, or 4 significant ones for a value a damaged file made huge (1e308 printed 309 digits)."""
+    return f"{v:.4g}" if abs(v) >= 1e9 else f"{v:.{digits}f}"
+
+
 def _fmt(key: str, v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.{DIGITS.get(key, 3)}f}"
+        return _num(v, DIGITS.get(key, 3))
     return str(v)
 
 
@@ -485,7 +490,7 @@ def markdown(header: list[str], table: list[list], fixed: dict[str, str], best: 
     shown = " ".join(f"{k}={_escaped(best.overrides[k])}" for k in varied if k in best.overrides)
     over = "" if best.within_limit is not False else (
         f" (no job kept its p90 step latency within latency_limit_ms={best.limit:g}; this one came closest)")
-    lines = [f"Best: job {best.name}" + (f" ({shown})" if shown else "") + f", {best.tps:.1f} tokens/s{over}", ""]
+    lines = [f"Best: job {best.name}" + (f" ({shown})" if shown else "") + f", {_num(best.tps, 1)} tokens/s{over}", ""]
     if note:
         lines += [note, ""]
     if fixed:
@@ -519,7 +524,7 @@ def plot(path: Path, jobs: list[Job], varied: list[str], best: Job) -> None:
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     best = done.index(best)
     ax.scatter([xs[best]], [ys[best]], s=220, marker="*", color="tab:red", zorder=3,
-               label=f"best: job {done[best].name}, {xs[best]:.1f} tokens/s")
+               label=f"best: job {done[best].name}, {_num(xs[best], 1)} tokens/s")
     ax.set_xlabel("tokens/s")
     ax.set_ylabel("acceptance length (tokens per verify step)")
     ax.set_title("labels: " + " / ".join(varied) if varied else "one point per job", fontsize=9)

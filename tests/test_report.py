@@ -551,3 +551,12 @@ def test_the_plot_puts_a_job_without_a_finite_acceptance_length_at_one():
 
     assert [plotted_acceptance(v) for v in (2.5, None, float("nan"), float("inf"), 10 ** 400, "x")] == \
         [2.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_a_huge_tokens_per_s_prints_in_a_few_digits(tmp_path):
+    sweep = make_sweep(tmp_path / "sweep")
+    m = json.loads((sweep / "1" / "metrics.json").read_text())
+    (sweep / "1" / "metrics.json").write_text(json.dumps({**m, "tokens_per_s": 1e308}))
+    main([str(sweep)])
+    md = (sweep / "report.md").read_text()
+    assert "Best: job 1" in md and "1e+308 tokens/s" in md and "0" * 50 not in md
