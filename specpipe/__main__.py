@@ -48,12 +48,17 @@ def hydra_main(cfg: DictConfig) -> float:
     if multirun:  # which job a Ctrl-C stops (main() says so)
         RUNNING.update(num=hc.job.num, dir=out_dir, sweep_dir=hc.sweep.dir)
         earlier = WRITTEN.setdefault(out_dir, hc.job.num)
-        if earlier != hc.job.num:  # e.g. hydra.sweep.subdir=${draft.topk} while the allocator is swept too
-            from specpipe.sweep import COLLIDED
+        if earlier == hc.job.num:  # this process's jobs, then other processes' (a joblib worker's)
+            from specpipe.sweep import claim_folder
+
+            earlier = claim_folder(out_dir, hc.sweep.dir, hc.job.num)
+        if earlier is not None:  # e.g. hydra.sweep.subdir=${draft.topk} while the allocator is swept too
+            from specpipe.sweep import COLLIDED, note_collision
 
             COLLIDED.append(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) would write into {out_dir}, which "
                             f"job {earlier} of this sweep already wrote; it was skipped so that job's results stay. "
                             f"Make hydra.sweep.subdir differ between jobs (its default is ${{hydra.job.num}})")
+            note_collision(hc.sweep.dir, COLLIDED[-1])
             print(f"specpipe: {COLLIDED[-1]}", file=sys.stderr)
             return failed_objective(hc)
     done = finished_metrics(cfg, out_dir) if cfg.resume else None

@@ -79,6 +79,18 @@ def test_joblib_multirun_runs_two_jobs(tmp_path):
 
 
 @pytest.mark.slow
+def test_joblib_jobs_that_would_share_a_folder_are_skipped_not_overwritten(tmp_path):
+    """Worker processes do not share the in-process launcher's record of written folders: the second job moved
+    the first one's results aside and the sweep exited 0. Each job now claims its folder with a file."""
+    sweep = tmp_path / "sweep"
+    p = specpipe("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "draft.topk=1,2", *SMALL,
+                 "hydra.sweep.subdir=same", f"hydra.sweep.dir={sweep}")
+    assert p.returncode == 1 and "of this sweep already wrote; it was skipped" in p.stderr, p.stderr[-2000:]
+    assert not list((sweep / "same").glob("*.prev"))  # the first job's results were not set aside
+    assert json.loads((sweep / "same" / "metrics.json").read_text())["generated_tokens"] == 16
+
+
+@pytest.mark.slow
 def test_resume_reruns_only_unfinished_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "draft.num_steps=2,3,0", *SMALL, f"hydra.sweep.dir={sweep}"]  # job 2 is invalid
