@@ -728,6 +728,14 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
                     f"folders searched (valid: {', '.join(mine)}); a primary config of your own is "
                     f"myconf/NAME.yaml, used as -cd myconf -cn NAME.")
         return reword(e, first, dirs)
+    keys = [p.get_key_element().lstrip("+~") for p in parsed]
+    twice = next((p for p in parsed if p.is_sweep_override() and keys.count(p.get_key_element().lstrip("+~")) > 1),
+                 None)
+    if twice is not None:  # Hydra keeps the last one: `draft.topk=1,2 draft.topk=4` ran one job, silently
+        key = twice.get_key_element().lstrip("+~")
+        given = " ".join(p.input_line for p in parsed if p.get_key_element().lstrip("+~") == key)
+        return (f"specpipe: invalid override: {key} is given more than once ({given}), and one of them is a sweep; "
+                f"only the last would count. Give {key} once, with every value to sweep (e.g. {key}=1,2,4).")
     bad_bool = number_for_a_bool(parsed, base)
     if bad_bool is not None:
         return bad_bool
