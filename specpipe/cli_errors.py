@@ -729,13 +729,13 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
                     f"myconf/NAME.yaml, used as -cd myconf -cn NAME.")
         return reword(e, first, dirs)
     keys = [p.get_key_element().lstrip("+~") for p in parsed]
-    twice = next((p for p in parsed if p.is_sweep_override() and keys.count(p.get_key_element().lstrip("+~")) > 1),
-                 None)
-    if twice is not None:  # Hydra keeps the last one: `draft.topk=1,2 draft.topk=4` ran one job, silently
-        key = twice.get_key_element().lstrip("+~")
+    lost = next((p for i, p in enumerate(parsed) if p.is_sweep_override() and keys[i] in keys[i + 1:]), None)
+    if lost is not None:  # Hydra keeps the last one: `draft.topk=1,2 draft.topk=4` ran one job, silently
+        key = lost.get_key_element().lstrip("+~")
         given = " ".join(p.input_line for p in parsed if p.get_key_element().lstrip("+~") == key)
-        return (f"specpipe: invalid override: {key} is given more than once ({given}), and one of them is a sweep; "
-                f"only the last would count. Give {key} once, with every value to sweep (e.g. {key}=1,2,4).")
+        return (f"specpipe: invalid override: {key} is given more than once ({given}) and the sweep "
+                f"{lost.input_line} is not the last, so it would be dropped (the last one counts). Give {key} once, "
+                f"with every value to sweep.")
     bad_bool = number_for_a_bool(parsed, base)
     if bad_bool is not None:
         return bad_bool

@@ -108,8 +108,8 @@ CASES = [
      "context of", False),
     (["workload.max_new_tokens=abc"], "workload.max_new_tokens: 'abc' is not an integer", True),  # given twice: the
     # last wins, as in Hydra (SMALL sets 4 first, which the message quoted)
-    (["-m", "draft.topk=1,2", "draft.topk=4"], "draft.topk is given more than once (draft.topk=1,2 draft.topk=4)",
-     True),  # Hydra keeps the last: one job, silently
+    (["-m", "draft.topk=1,2", "draft.topk=4"], "draft.topk is given more than once (draft.topk=1,2 draft.topk=4) and "
+     "the sweep draft.topk=1,2 is not the last", True),  # Hydra keeps the last: one job, silently
     (["workload.ignore_eos=2"], "workload.ignore_eos: '2' is not true or false", True),  # OmegaConf read 2 as true
     (["workload.logprobs=0"], "workload.logprobs: '0' is not true or false", True),
     (["allocator.page_size=2"], "the token allocator has page size 1 (every slot on its own); use allocator=paged", True),
