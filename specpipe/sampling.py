@@ -109,7 +109,8 @@ class SamplingState:
         orig = logits.gather(-1, idx)
         f = torch.finfo(logits.dtype)  # an extreme penalty saturates instead of making inf (or 0 * inf: NaN)
         p = penalty.view(-1, *([1] * (logits.dim() - 1))).to(logits.dtype).clamp(min=f.tiny, max=f.max)
-        return logits.scatter_(-1, idx, torch.where(orig > 0, orig / p, orig * p).clamp(min=f.min, max=f.max))
+        new = torch.where(orig > 0, orig / p, orig * p).clamp(min=f.min, max=f.max)
+        return logits.scatter_(-1, idx, torch.where(orig.isinf(), orig, new))  # -inf stays -inf, as in HF
 
     def penalize_tree(self, logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
         """Verify logits [B, N, V] (changed in place) of tree nodes tokens [B, N]; mask [B, N, N]: node j's

@@ -129,3 +129,14 @@ def test_low_precision_logits_are_penalized_in_float32_as_hf_generate_does(dtype
     assert state.sample_next(logits.clone(), torch.tensor([1])).tolist() == [1]  # 3.846 < 3.859375
     tree = state.penalize_tree(logits[:, None].clone(), torch.tensor([[2]]), torch.ones(1, 1, 1, dtype=torch.bool))
     assert tree.dtype == torch.float32 and tree[0, 0].argmax().item() == 1
+
+
+def test_a_minus_inf_logit_stays_minus_inf_when_penalized():
+    """HF's rule keeps -inf (-inf * penalty); the saturation for extreme penalties made it -3.4e38, a token with
+    a finite logit that a row of otherwise -inf logits would then draw."""
+    state = SamplingState(0.0, 1.0, 0, "cpu", max_context=4, penalized=True)
+    state.join([1], [(0.0, 1.0, 0, 1.3)], [[0, 1]])
+    logits = torch.tensor([[float("-inf"), 2.0, 1.0]])
+    got = state._penalized_at(logits.clone(), state.context, state.penalty)
+    assert torch.equal(got[0], hf_penalty(logits[0], [0, 1], torch.tensor(1.3).item()))
+    assert got[0, 0] == float("-inf")
