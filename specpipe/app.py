@@ -405,8 +405,8 @@ def allocation_size(e: BaseException) -> str:
 
 
 def check_against_model(cfg: DictConfig, pair) -> None:
-    """Settings the loaded model bounds: allocator.page_size, draft.topk (model drafters pick that many tokens of the draft's
-    vocabulary per expansion) and workload.max_new_tokens (prompt and output share the model's context)."""
+    """Settings the loaded model bounds: allocator.page_size, draft.topk (model drafters pick that many tokens of
+    the draft's vocabulary per expansion) and workload.max_new_tokens (prompt and output share the model's context)."""
     ctx = pair.target.config.max_position_embeddings
     if cfg.workload.max_new_tokens >= ctx:
         raise ConfigError(f"workload.max_new_tokens={cfg.workload.max_new_tokens} leaves no room for a prompt in "

@@ -85,6 +85,11 @@ def group_options(group: str, dirs: Optional[list] = None) -> list[str]:
     return sorted(found)
 
 
+def last_value(overrides: list[str], key: str) -> Optional[str]:
+    """The value `key` was given last in `overrides` (Hydra's: a key given twice takes the last), or None."""
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+") == key), None)
+
+
 def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) -> str:
     """One paragraph naming the bad key/value and what would be valid. `dirs`: the config folders searched (the
     package's and a user's), whose options are the valid ones."""
@@ -96,7 +101,7 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
         if m:
             val, typ, key = m.groups()
             kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}.get(typ, typ)
-            typed = next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+") == key), None)
+            typed = last_value(overrides, key)
             shown = repr(typed) if typed is not None and typed != val else repr(val)
             if typed is not None and typed != val:  # 1e3 is read as the float 1000.0
                 shown += f" (read as {val})"
@@ -170,7 +175,7 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
                 more = {"launcher": "joblib, ray or slurm", "sweeper": "optuna"}.get(kind, "joblib, ray, slurm, optuna")
                 return (f"specpipe: invalid override {group}={opt}: there is no {kind} '{opt}'{have}; the optional "
                         f"extras ({more}) add plugins, e.g. pip install -e '.[{more.split(',')[0]}]'.")
-            typed = next((o.split("=", 1)[1] for o in reversed(overrides) if o.lstrip("+").split("=", 1)[0] == group), None)
+            typed = last_value(overrides, group)
             preset = next((o for o in overrides if o.lstrip("+").startswith("sweep=")), None)
             what = f"{group}={typed or opt}" if typed in (None, opt) else f"{group}={typed} (it extends '{opt}')"
             if typed is None and preset is not None:
@@ -222,7 +227,7 @@ def reword(exc: Exception, overrides: list[str], dirs: Optional[list] = None) ->
         valid = valid_keys(full)
         hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
         group = full.split(".")[0]
-        chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+") == group), None)
+        chosen = last_value(overrides, group)
         if chosen is not None and "." in full and group_options(group):  # the key belongs to other options of the group (a sweep's point)
             return (f"specpipe: invalid override: '{full}' is not a setting of {group}={chosen}{hint}; in a sweep every "
                     f"point gets every override, so sweep the {group} options that take it in a command of their "

@@ -44,6 +44,7 @@ class EagleProposer:
         self.feature_layers = getattr(head, "aux_layers", None)  # EAGLE-3 reads several target layers
         self.topk_p = self.topk_index = self.draft_hidden = None
         self.windowed = any(getattr(m, "window", None) is not None for m in head.modules())  # banded prefill
+        self._decode_fn = None  # see _decode
 
     def join(self, pipe, reqs, pf, first) -> None:
         """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p); packed (no padding)
@@ -79,6 +80,16 @@ class EagleProposer:
     def scratch_width(self) -> int:
         return draft_columns("eagle", self.S)
 
+    def _decode(self):
+        """The draft decode the rounds call, resolved once after the stage's branches were bound. Inductor's code
+        for a sliding-window head's decode (unbacked batch size) fails at its first call (NameError on an unbound
+        size symbol): such a head decodes eagerly, as it prefills."""
+        if self._decode_fn is None:
+            fwd = self.draft_fwd
+            self._decode_fn = partial(type(fwd).decode, fwd) if self.windowed and "decode" in getattr(
+                fwd, "wrapped", ()) else fwd.decode
+        return self._decode_fn
+
     def propose(self, pipe, rows_t, L, L_t):
         B, K, S = len(pipe.reqs), self.K, self.S
         prep, dev, kv = pipe.prep, pipe.dev, self.head.kv
@@ -87,11 +98,7 @@ class EagleProposer:
             raise OutOfKVMemory("KV pool exhausted while drafting")
         sc.begin(prep, kv)
         anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
-        decode = self.draft_fwd.decode
-        if self.windowed and "decode" in getattr(self.draft_fwd, "wrapped", ()):
-            # inductor's code for a sliding-window head's decode (unbacked batch size) fails at its first call
-            # (NameError on an unbound size symbol): eager, as its extend
-            decode = partial(type(self.draft_fwd).decode, self.draft_fwd)
+        decode = self._decode()
         ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
         blocks = [blk]
         for i in range(S - 1):

@@ -25,7 +25,7 @@ from typing import Optional
 import yaml
 
 from specpipe.schema import is_number
-from specpipe.sweep import NOT_RUN_KEYS, metrics_problem, objective, read_json_object, within_latency_limit
+from specpipe.sweep import NOT_RUN_KEYS, finite, metrics_problem, objective, read_json_object, within_latency_limit
 
 METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_verify_steps", "recompiles", "wall_s")
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
@@ -406,10 +406,9 @@ def varied_keys(jobs: list[Job]) -> tuple[list[str], dict[str, str]]:
 def lost_requests(metrics: Optional[dict]) -> float:
     """How many of a finished job's requests failed (0 when metrics.json does not say)."""
     n = (metrics or {}).get("num_errors") or 0
-    try:
-        return float(n) if is_number(n) and not (isinstance(n, float) and math.isnan(n)) else 0.0
-    except OverflowError:  # an integer past float's range (a damaged file): many
-        return float("inf")
+    if not is_number(n) or (isinstance(n, float) and math.isnan(n)):
+        return 0.0
+    return float(n) if finite(n) else float("inf")  # an integer past float's range (a damaged file): many
 
 
 def request_failures(metrics: Optional[dict]) -> str:
@@ -538,10 +537,7 @@ def plot(path: Path, jobs: list[Job], varied: list[str], best: Job) -> None:
 def plotted_acceptance(v) -> float:
     """A job's acceptance length on the plot: 1 (one token a step, as draft=none) when it has none, or none
     finite (a NaN one left the best job's point and star undrawn)."""
-    try:
-        return float(v) if is_number(v) and math.isfinite(v) else 1.0
-    except OverflowError:
-        return 1.0
+    return float(v) if is_number(v) and finite(v) else 1.0
 
 
 def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Job], str]:

@@ -137,7 +137,7 @@ def read_json_object(path: Path) -> tuple[Optional[dict], Optional[str]]:
     return value, None
 
 
-def _finite(v) -> bool:
+def finite(v) -> bool:
     """math.isfinite for any JSON number: an integer too large for a float (10**400) is not finite either."""
     try:
         return math.isfinite(v)
@@ -148,13 +148,13 @@ def _finite(v) -> bool:
 def metrics_problem(m: dict, keys=("tokens_per_s", "step_latency_ms_p90")) -> Optional[str]:
     """Why a metrics.json object cannot be a finished job's metrics (None when it can): tokens_per_s must be a
     finite number, every other key of `keys` it holds a number or null, and its config an object."""
-    if not is_number(m.get("tokens_per_s")) or not _finite(m["tokens_per_s"]):
+    if not is_number(m.get("tokens_per_s")) or not finite(m["tokens_per_s"]):
         return ("metrics.json has no tokens_per_s" if m.get("tokens_per_s") is None else
                 f"metrics.json has tokens_per_s={json.dumps(m['tokens_per_s'])[:40]}, not a finite number")
     for k in (*keys, "accept_length_mean"):
         if m.get(k) is not None and not is_number(m[k]):
             return f"metrics.json has {k}={json.dumps(m[k])[:40]}, not a number"
-        if is_number(m.get(k)) and not (isinstance(m[k], float) and math.isnan(m[k])) and not _finite(m[k]):
+        if is_number(m.get(k)) and not (isinstance(m[k], float) and math.isnan(m[k])) and not finite(m[k]):
             return f"metrics.json has {k}={json.dumps(m[k])[:40]}, not a finite number"
     cfg = m.get("config", {})
     if not isinstance(cfg, dict):
