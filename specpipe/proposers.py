@@ -237,7 +237,7 @@ class StandaloneProposer:
 
     def propose(self, pipe, rows_t, L, L_t):
         s = pipe.sampling
-        sampling = (s.temperature, s.top_p, s.top_k, s.seed, s.min_p) if self.sampled_chain else None
+        sampling = (s.temperature, s.top_p, s.top_k, s.seed, s.min_p, s.filters) if self.sampled_chain else None
         blocks, draft_probs = self.sd.draft(pipe.prep, pipe.rows, rows_t, L, L_t, pipe.last_token, sampling=sampling)
         s_l, t_l, p_l = (list(x) for x in zip(*blocks))
         self.bad = non_finite(s_l, len(pipe.reqs))

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from specpipe.stages.verify_sampling import (GREEDY_TEMPERATURE, STREAM_PLAIN, process_logits, sample_tokens,
-                                             uniform_coins)
+from specpipe.stages.verify_sampling import (GREEDY_TEMPERATURE, STREAM_PLAIN, Filters, process_logits,
+                                             sample_tokens, uniform_coins)
 
 
 
@@ -49,6 +49,9 @@ class SamplingState:
         self.top_k = torch.zeros(0, dtype=torch.int64, device=device)
         self.min_p = torch.zeros(0, device=device)
         self.seed = torch.zeros(0, dtype=torch.int64, device=device)
+        # the filters some request that joined uses (never narrowed when one leaves: a row that does not
+        # filter gets the same probabilities either way, so this only decides which passes run)
+        self.filters = Filters(greedy=False)
         self.penalized = penalized or repetition_penalty != 1.0
         if self.penalized and max_context is None:
             raise ValueError("a repetition penalty needs max_context")
@@ -64,6 +67,8 @@ class SamplingState:
                 for q in (params or [None] * len(seeds))]
         t, p, k, r, m = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
         t = [0.0 if v < GREEDY_TEMPERATURE else v for v in t]  # decided here: float32 rounds 9.9999999e-6 to 1e-5
+        for row in zip(t, p, k, m):
+            self.filters = self.filters.add(*row)
         self.temperature = torch.cat([self.temperature, torch.tensor(t, dtype=torch.float32, device=self.dev)])
         self.top_p = torch.cat([self.top_p, torch.tensor(p, dtype=torch.float32, device=self.dev)])
         self.top_k = torch.cat([self.top_k, torch.tensor(k, dtype=torch.int64, device=self.dev)])
@@ -151,6 +156,6 @@ class SamplingState:
         if self.greedy:
             return logits.argmax(-1)
         probs = process_logits(logits[:, None], sel(self.temperature), sel(self.top_p), sel(self.top_k),
-                               sel(self.min_p))[:, 0]
+                               sel(self.min_p), self.filters)[:, 0]
         u = uniform_coins(sel(self.seed), position, 1, STREAM_PLAIN)[:, 0]
         return sample_tokens(probs, u)

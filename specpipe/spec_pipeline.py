@@ -72,7 +72,7 @@ class SpecPipeline(Pipeline):
         if self.sampling.greedy:
             return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)
         s = self.sampling
-        probs = self.verify_sampling.probs(logits, s.temperature, s.top_p, s.top_k, s.min_p)
+        probs = self.verify_sampling.probs(logits, s.temperature, s.top_p, s.top_k, s.min_p, s.filters)
         if draft_probs is not None:
             return self.verify_sampling.sample_rejection(probs, draft_probs, tree.tokens, tree.parent, s.seed, L_t)
         return self.verify_sampling.sample(probs, tree.tokens, tree.parent, s.seed, L_t)

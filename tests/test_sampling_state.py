@@ -140,3 +140,18 @@ def test_a_minus_inf_logit_stays_minus_inf_when_penalized():
     got = state._penalized_at(logits.clone(), state.context, state.penalty)
     assert torch.equal(got[0], hf_penalty(logits[0], [0, 1], torch.tensor(1.3).item()))
     assert got[0, 0] == float("-inf")
+
+
+def test_filters_follow_the_requests_that_joined():
+    """The pipeline learns on the host which filters some request uses, so process_logits skips the rest
+    without reading the per-request tensors back."""
+    state = SamplingState(0.8, 1.0, 0, "cpu", greedy=False)
+    state.join([1])
+    f = state.filters
+    assert (f.k_max, f.top_p, f.min_p, f.greedy) == (0, False, False, False)
+    state.join([2, 3], [(0.7, 0.9, 0), (1.0, 1.0, 40, 1.0, 0.1)])
+    f = state.filters
+    assert (f.k_max, f.top_p, f.min_p, f.greedy) == (40, True, True, False)
+    state.join([4], [(0.0, 0.5, 100)])  # a greedy request's filters are never applied
+    f = state.filters
+    assert (f.k_max, f.top_p, f.min_p, f.greedy) == (40, True, True, True)

@@ -17,6 +17,14 @@ from specpipe.compile_policy import DEVICE_SUPPORT, BranchPolicy, device_problem
 from specpipe.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# device types whose float64 arithmetic is missing or emulated (Ascend's AI cores have none): sampling keeps its
+# cumulative sums and coins in float32 there
+NO_FLOAT64 = frozenset({"npu", "mps"})
+
+
+def wide_float(device: torch.device) -> torch.dtype:
+    """The widest float a device computes natively, for sums over a whole vocabulary and for sampling coins."""
+    return torch.float32 if torch.device(device).type in NO_FLOAT64 else torch.float64
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -82,8 +82,9 @@ class StandaloneDrafter(Stage):
         if sampling is None:
             p, idx = top_k(logits, self.K)
             return p, idx, None
-        temperature, top_p, top_k_, seed, min_p = sampling
-        q = process_logits(logits[:, None], temperature, top_p, top_k_, min_p)[:, 0]  # [B, V] (K == 1: R == B)
+        temperature, top_p, top_k_, seed, min_p, *filters = sampling  # filters: optional (None: read back)
+        filters = filters[0] if filters else None
+        q = process_logits(logits[:, None], temperature, top_p, top_k_, min_p, filters)[:, 0]  # [B, V] (K == 1: R == B)
         u = uniform_coins(seed, L_t, coin_col + 1, STREAM_DRAFT)[:, coin_col]
         tok = sample_tokens(q, u)[:, None]
         return q.gather(1, tok), tok, q
@@ -91,7 +92,8 @@ class StandaloneDrafter(Stage):
     def draft(self, prep, rows: np.ndarray, rows_t: Tensor, L: np.ndarray, L_t: Tensor, root: Tensor, sampling=None):
         """One draft round. rows (host) / rows_t [B] table rows, L host seq lens, L_t [B] seq lens, root [B].
 
-        sampling: None (deterministic top-K tree) or (temperature [B], top_p [B], top_k [B], seed [B], min_p [B])
+        sampling: None (deterministic top-K tree) or (temperature [B], top_p [B], top_k [B], seed [B], min_p [B][,
+        verify_sampling.Filters])
         for a sampled chain (topk must be 1). Returns (blocks, draft_probs): blocks = per-step
         (score, token, parent) as `BuildTree` takes them; draft_probs [B, N, V] or None.
         """

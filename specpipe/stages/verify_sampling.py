@@ -26,11 +26,13 @@ increasing between rounds, so coins are never reused) with its own acceptance, b
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from specpipe.devices.base import wide_float
 from specpipe.schema import GREEDY_TEMPERATURE  # temperatures below it are greedy (re-exported here)
 from specpipe.stages.base import Stage, branch
 
@@ -55,7 +57,9 @@ def _mix32(x: Tensor) -> Tensor:
 
 
 def uniform_coins(seed: Tensor, counter: Tensor, cols: int, stream: int) -> Tensor:
-    """seed [B], counter [B] int -> [B, cols] float32 uniform in [0, 1) with 24 random bits."""
+    """seed [B], counter [B] int -> [B, cols] uniform in [0, 1): float64 with 53 random bits where the device
+    computes in float64 (`devices.base.wide_float`), else float32 with 24. A 24-bit coin cannot pick a token
+    whose share of the vocabulary's mass is below 2^-24, and a 128k vocabulary holds many such tokens."""
     s, c = seed.to(torch.int64), counter.to(torch.int64)
     h = _mix32((s & _M32) ^ 0x9E3779B9)
     h = _mix32(h ^ ((s >> 32) & _M32))
@@ -63,43 +67,124 @@ def uniform_coins(seed: Tensor, counter: Tensor, cols: int, stream: int) -> Tens
     h = _mix32(h ^ (stream * 0x68E31DA4 & _M32))
     col = torch.arange(cols, device=seed.device, dtype=torch.int64)
     h = _mix32(_mix32(h[:, None] ^ col) ^ 0x1B873593)  # [B, cols]
+    if wide_float(seed.device) == torch.float64:  # the same top 24 bits, 29 more from a second mix
+        return ((h << 21) | (_mix32(h ^ 0x2545F491) >> 11)).to(torch.float64) * (1.0 / (1 << 53))
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+@dataclass(frozen=True)
+class Filters:
+    """Which filters some request of the batch uses, known on the host when requests join, so that
+    `process_logits` skips the others without reading anything back. Skipping never changes a row: a row
+    that does not filter keeps all its tokens either way. k_max: the largest top_k > 0 (0: none);
+    top_p: some top_p < 1; min_p: some min_p > 0; greedy: some temperature is below GREEDY_TEMPERATURE."""
+    k_max: int = 0
+    top_p: bool = False
+    min_p: bool = False
+    greedy: bool = True
+
+    def add(self, temperature: float, top_p: float, top_k: int, min_p: float) -> "Filters":
+        """These filters and one more request's."""
+        if temperature < GREEDY_TEMPERATURE:
+            return Filters(self.k_max, self.top_p, self.min_p, True)
+        return Filters(max(self.k_max, int(top_k)), self.top_p or top_p < 1, self.min_p or min_p > 0, self.greedy)
+
+    @staticmethod
+    def of(temperature: Tensor, top_p: Tensor, top_k: Tensor, min_p: Optional[Tensor]) -> "Filters":
+        """From the per-request tensors (reads them back: for tests and one-off calls, not the decode loop)."""
+        k = top_k[top_k > 0]
+        return Filters(int(k.max()) if k.numel() else 0, bool((top_p < 1).any()),
+                       bool(min_p is not None and (min_p > 0).any()),
+                       bool((temperature < GREEDY_TEMPERATURE).any()))
+
+
+_RADIX = ((20, 11), (10, 10), (0, 10))  # (shift, bits): float32 bit patterns in three digits, high to low
+RADIX_MIN_VOCAB = 8192  # smaller vocabularies sort: as fast, and no histograms of 2048 buckets per row
+
+
+def nucleus_floor(probs: Tensor, top_p: Tensor, radix: Optional[bool] = None) -> Tensor:
+    """probs [R, V] non-negative float32 (unnormalised), top_p [R] -> [R] int32: the bit pattern of the least
+    likely probability top-p keeps. A token stays when the mass of strictly more likely tokens is below
+    top_p times the total, so tokens tied in probability stay or go together, like top-k's ties. Masses are
+    summed in the device's widest float. When top_p keeps nothing (top_p <= 0), the floor is the largest
+    probability.
+
+    A vocabulary of RADIX_MIN_VOCAB tokens or more is not sorted (a stable sort of [12, 128k] costs 160 ms on
+    one CPU thread, this less than half): non-negative floats order as their int32 bit patterns, so a radix
+    select over three digits finds the boundary value, each digit from a histogram of the mass in its
+    buckets. Smaller ones sort (`radix` forces either). Nothing depends on the other rows, so a row's result
+    is the same in any batch."""
+    R, V = probs.shape
+    acc = wide_float(probs.device)
+    w = torch.where(probs > 0, probs, torch.zeros_like(probs))  # NaN and -0.0 to +0.0: bit patterns >= 0
+    goal = top_p.to(acc) * w.to(acc).sum(-1)  # [R] the mass the more likely tokens must stay below
+    if not (V >= RADIX_MIN_VOCAB if radix is None else radix):
+        sv = w.sort(-1, descending=True).values
+        mass = sv.to(acc)
+        above = mass.cumsum(-1) - mass  # mass before each sorted position; ties: the first of a run counts
+        n = (above < goal[:, None]).sum(-1)  # a prefix: `above` never decreases
+        floor = sv.view(torch.int32).gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        return torch.where(n > 0, floor, sv[:, 0].view(torch.int32))
+    bits = w.view(torch.int32)
+    mass = w.to(acc)
+    base = torch.zeros(R, dtype=acc, device=probs.device)  # mass above the bucket chosen so far
+    floor = torch.zeros(R, dtype=torch.int32, device=probs.device)
+    found = None
+    for shift, nbits in _RADIX:
+        size = 1 << nbits
+        # this digit of the values inside the bucket chosen so far, +1; 0 for values below it, size+1 above
+        key = (bits >> shift).sub_((floor >> shift)[:, None]).clamp_(-1, size).add_(1).to(torch.int64)
+        hist = torch.zeros(R, size + 2, dtype=acc, device=probs.device).scatter_add_(1, key, mass)[:, 1:-1]
+        above = base[:, None] + (hist.flip(-1).cumsum(-1).flip(-1) - hist)  # mass of larger digits in the bucket
+        ok = (hist > 0) & (above < goal[:, None])  # buckets whose largest value stays
+        ar = torch.arange(size, device=probs.device)
+        digit = torch.where(ok, ar, torch.full_like(ar, size)).min(-1).values  # the lowest of them
+        found = digit < size if found is None else found
+        digit = digit.clamp(max=size - 1)
+        base = above.gather(1, digit[:, None])[:, 0]
+        floor = floor | (digit.to(torch.int32) << shift)
+    return torch.where(found, floor, bits.max(-1).values)
 
 
 def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
-                   min_p: Optional[Tensor] = None) -> Tensor:
+                   min_p: Optional[Tensor] = None, filters: Optional[Filters] = None) -> Tensor:
     """logits [B,N,V], per-request temperature/top_p/min_p [B] float, top_k [B] int -> probs [B,N,V] float32.
 
     softmax(logits / T), keep the top_k most likely and every token tied with the k-th (as HF's TopKLogitsWarper
-    and vLLM; top_k <= 0: all), renormalise, keep the smallest prefix whose mass reaches top_p (top_p >= 1: all,
-    though the float32 cumulative sum overshoots 1; never less than the most likely token, even when a tiny
-    top_p rounds to 0 in float32), then drop tokens less likely than min_p times the most likely (HF's
+    and vLLM; top_k <= 0: all), then among those the nucleus: each token whose strictly more likely tokens hold
+    less than top_p of their mass (`nucleus_floor`; top_p >= 1: all; never less than the most likely token, even
+    when a tiny top_p rounds to 0 in float32), then drop tokens less likely than min_p times the most likely (HF's
     MinPLogitsWarper, after top-k and top-p as in HF; min_p <= 0: none), renormalise. T < GREEDY_TEMPERATURE is
     greedy: a one-hot at the argmax of the logits as given (float64 logits: their own argmax, as plain greedy
     decoding takes it), so greedy and sampled requests share one batch.
+
+    `filters` says which filters some row uses (the pipeline knows it on the host); None reads it from the
+    tensors. With none, this is a softmax: no sort or top-k over the vocabulary.
     """
     B, N, V = logits.shape
+    f = Filters.of(temperature, top_p, top_k, min_p) if filters is None else filters
     x = logits.float()
     greedy = temperature < GREEDY_TEMPERATURE  # [B]
     t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     probs = torch.softmax(x / t[:, None, None], dim=-1)
-    sp, si = probs.sort(dim=-1, descending=True, stable=True)  # [B,N,V]
-    rank = torch.arange(V, device=logits.device)
-    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
-    kth = sp.gather(-1, (k - 1).view(B, 1, 1).expand(B, N, 1))  # [B,N,1] the k-th largest probability
-    keep = sp >= kth
-    sp = torch.where(keep, sp, torch.zeros_like(sp))
-    sp = sp / sp.sum(-1, keepdim=True)
-    before = sp.cumsum(-1) - sp  # mass of strictly more likely tokens
-    nucleus = (before < top_p.float()[:, None, None]) | (top_p >= 1)[:, None, None]
-    keep = keep & (nucleus | (rank == 0))  # the most likely always stays
-    if min_p is not None:  # relative to the most likely (sp[..., 0]): the same before or after renormalising
-        keep = keep & (sp >= min_p.float()[:, None, None] * sp[..., :1])
-    sp = torch.where(keep, sp, torch.zeros_like(sp))
-    out = torch.zeros_like(probs).scatter(-1, si, sp)
-    out = out / out.sum(-1, keepdim=True)
+    kept = probs
+    if f.k_max > 0:
+        K = min(f.k_max, V)
+        top = probs.topk(K, dim=-1).values  # [B,N,K] sorted, largest first
+        k = top_k.clamp(1, K)
+        kth = top.gather(-1, (k - 1).view(B, 1, 1).expand(B, N, 1))  # [B,N,1] the k-th largest probability
+        keep = (probs >= kth) | (top_k <= 0)[:, None, None]
+        kept = torch.where(keep, probs, torch.zeros_like(probs))
+    if f.top_p:
+        floor = nucleus_floor(kept.reshape(B * N, V), top_p.repeat_interleave(N)).view(B, N, 1)
+        nucleus = (kept.view(torch.int32) >= floor) | (top_p >= 1)[:, None, None]
+        kept = torch.where(nucleus, kept, torch.zeros_like(kept))
+    if f.min_p and min_p is not None:  # relative to the most likely: the same before or after renormalising
+        most = kept.amax(-1, keepdim=True)
+        kept = torch.where(kept >= min_p.float()[:, None, None] * most, kept, torch.zeros_like(kept))
+    out = kept / kept.sum(-1, keepdim=True)
+    if not f.greedy:
+        return out
     onehot = torch.zeros_like(out).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # F.one_hot reads ids back
     return torch.where(greedy[:, None, None], onehot, out)
 
@@ -107,10 +192,13 @@ def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Te
 def sample_tokens(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sampling: probs [B,V] (unnormalised, non-negative), u [B] in [0,1) -> ids [B].
 
-    Never returns a zero-mass id (the first cdf entry strictly above u*total has positive mass).
+    The cumulative sum has u's precision (float64 where the device has it): in float32 it steps by 2^-24 of
+    the total, so each token below that share got either nothing or a whole step. Never returns a zero-mass
+    id (the first cdf entry strictly above u*total, kept below the total, has positive mass).
     """
-    cdf = probs.cumsum(-1)
-    t = (u * cdf[:, -1])[:, None].to(cdf.dtype)
+    cdf = probs.to(u.dtype).cumsum(-1)
+    total = cdf[:, -1]
+    t = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))[:, None]
     return torch.searchsorted(cdf, t, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
@@ -218,8 +306,9 @@ class VerifySampling(Stage):
         self.num_steps = num_steps
 
     @branch
-    def probs(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, min_p: Tensor) -> Tensor:
-        return process_logits(logits, temperature, top_p, top_k, min_p)
+    def probs(self, logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, min_p: Tensor,
+              filters: Optional[Filters] = None) -> Tensor:
+        return process_logits(logits, temperature, top_p, top_k, min_p, filters)
 
     @branch
     def sample(self, probs: Tensor, tokens: Tensor, parent: Tensor, seed: Tensor, counter: Tensor):

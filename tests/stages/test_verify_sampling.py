@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from specpipe.stages import verify_sampling
 from specpipe.stages.build_tree import BuildTree
 from specpipe.stages.verify import Verify
 from specpipe.stages.verify_sampling import (STREAM_ACCEPT, STREAM_BONUS, VerifySampling, chain_rejection_sample,
@@ -89,7 +90,7 @@ def test_process_logits_keeps_top_k_ties_and_the_whole_tail_at_top_p_one():
 def test_coins_deterministic_uniform_and_batch_independent():
     seed, ctr = torch.arange(20000) * 7919, torch.full((20000,), 123)
     u = uniform_coins(seed, ctr, 4, STREAM_ACCEPT)
-    assert u.shape == (20000, 4) and u.dtype == torch.float32
+    assert u.shape == (20000, 4) and u.dtype == torch.float64  # the CPU has float64: 53-bit coins
     assert (u >= 0).all() and (u < 1).all()
     assert torch.equal(u, uniform_coins(seed, ctr, 4, STREAM_ACCEPT))
     assert torch.equal(u[5:9], uniform_coins(seed[5:9], ctr[5:9], 4, STREAM_ACCEPT))  # no batch dependence
@@ -104,6 +105,28 @@ def test_coins_deterministic_uniform_and_batch_independent():
         c = torch.corrcoef(torch.stack([flat, v.reshape(-1)]))[0, 1].abs().item()
         assert c < 0.02
     assert uniform_coins(torch.tensor([-1, 2 ** 40]), torch.tensor([0, 5]), 3, 1).shape == (2, 3)
+
+
+def test_coins_have_more_than_32_bits():
+    """2^20 coins of 24 (or 32) bits collide by the birthday bound (about 32k, or 128, equal pairs); 53-bit
+    coins practically never do."""
+    u = uniform_coins(torch.tensor([12345]), torch.tensor([7]), 1 << 20, STREAM_ACCEPT)[0]
+    assert u.unique().numel() == u.numel()
+
+
+def test_sample_tokens_resolves_tokens_below_a_float32_step():
+    """A 128k vocabulary whose tail tokens each hold 2e-8 (less than float32's 2^-24 step near 1): a coin in
+    the middle of a tail token's exact interval draws that token. A float32 cumulative sum gave two of every
+    three such tokens no interval at all, and a 24-bit coin could not land in one."""
+    V, eps = 128 * 1024, 2e-8
+    p = torch.full((V,), eps, dtype=torch.float64)
+    p[0] = 1 - eps * (V - 1)
+    p = p.float().double()  # the float32 values the sampler gets
+    cdf = p.cumsum(0)
+    ids = torch.arange(1, V, 97)
+    u = (cdf[ids] - p[ids] / 2) / cdf[-1]  # float64 coins, as uniform_coins gives on this device
+    got = sample_tokens(p.float()[None].expand(ids.numel(), V), u)
+    assert torch.equal(got, ids)
 
 
 def test_sample_tokens_never_picks_zero_mass():
@@ -197,3 +220,78 @@ def test_rejection_mode_equal_draft_accepts_everything_and_zero_residual_falls_b
 
 def test_stage_branches():
     assert VerifySampling.branch_names() == ["probs", "sample", "sample_rejection"]
+
+
+def _nucleus_reference(p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Brute force over float64: token i stays when the tokens strictly more likely hold less than top_p of
+    the mass (ties stay or go together), and the most likely always stays."""
+    x = p.double()
+    above = (x[None, :] * (x[None, :] > x[:, None])).sum(-1)
+    return ((above < top_p * x.sum()) & (x > 0)) | (x == x.max())
+
+
+@pytest.mark.parametrize("radix", [True, False])
+@pytest.mark.parametrize("case", range(12))
+def test_nucleus_matches_brute_force_with_ties_and_zeros(case, radix, monkeypatch):
+    """Both ways of finding the nucleus (a radix select for large vocabularies, a sort for small ones)."""
+    monkeypatch.setattr(verify_sampling, "RADIX_MIN_VOCAB", 0 if radix else 1 << 30)
+    g = torch.Generator().manual_seed(case)
+    V = int(torch.randint(2, 400, (1,), generator=g))
+    p = torch.softmax(torch.randn(6, V, generator=g) * float(1 + 6 * torch.rand(1, generator=g)), -1)
+    if case % 3 == 0:
+        p = torch.where(torch.rand(6, V, generator=g) < 0.4, p, torch.zeros_like(p))  # top-k's zeros
+    if case % 2 == 0:
+        p = (p * 40).round() / 40  # many exact ties
+    p[0, 0] = p[0].max()  # a tie at the top
+    top_p = torch.rand(6, generator=g)
+    top_p[1] = 0.0
+    top_p[2] = 1e-9
+    out = process_logits(torch.where(p > 0, p.log(), torch.full_like(p, -math.inf))[:, None],
+                         torch.ones(6), top_p, torch.zeros(6, dtype=torch.long))[:, 0]
+    for r in range(6):
+        want = _nucleus_reference(torch.softmax(torch.where(p[r] > 0, p[r].log(), -math.inf), -1), float(top_p[r]))
+        assert torch.equal(out[r] > 0, want), (case, r)
+
+
+def test_a_rows_probabilities_do_not_depend_on_the_filters_of_its_batch():
+    """Filters are skipped when no row uses them; a row's probabilities are bitwise the same alone (its own
+    filters only) and beside rows that use top-k, top-p, min-p and greedy."""
+    g = torch.Generator().manual_seed(5)
+    logits = 4 * torch.randn(5, 3, 1000, generator=g)
+    T = torch.tensor([0.8, 1.1, 0.6, 0.0, 1.0])
+    P = torch.tensor([1.0, 0.9, 0.95, 1.0, 0.7])
+    K = torch.tensor([0, 0, 40, 0, 3])
+    M = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.2])
+    together = process_logits(logits, T, P, K, M)
+    for r in range(5):
+        alone = process_logits(logits[r:r + 1], T[r:r + 1], P[r:r + 1], K[r:r + 1], M[r:r + 1])
+        assert torch.equal(alone, together[r:r + 1]), r
+
+
+def _aten_ops(fn) -> set:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def test_no_sort_over_the_vocabulary():
+    """Temperature alone is a softmax; top-k a top-k; top-p a radix select; none of them sorts the vocabulary
+    (a stable sort of [12, 128k] costs 160 ms on one CPU thread)."""
+    logits = torch.randn(2, 4, 20000)  # a vocabulary large enough for the radix select
+    one, zero = torch.ones(2), torch.zeros(2)
+    k0 = torch.zeros(2, dtype=torch.long)
+    temp_only = _aten_ops(lambda: process_logits(logits, one * 0.7, one, k0, zero))
+    assert not temp_only & {"sort", "topk", "scatter_add_", "cumsum"}, temp_only
+    top_k = _aten_ops(lambda: process_logits(logits, one, one, k0 + 50, zero))
+    assert "topk" in top_k and "sort" not in top_k
+    top_p = _aten_ops(lambda: process_logits(logits, one, one * 0.9, k0, zero))
+    assert "sort" not in top_p and "topk" not in top_p
