@@ -291,7 +291,7 @@ def check_out_dir(out_dir) -> str:
 
 class SpecPipe:
     def __init__(self, *overrides: str):
-        from specpipe.app import check_against_model, ensure_standalone, load_pair
+        from specpipe.app import check_against_model, ensure_standalone, load_pair, model_dtype
         from specpipe.build import build
         from specpipe.cli_errors import compose_config, expand_home, precheck
 
@@ -305,7 +305,7 @@ class SpecPipe:
             raise SpecpipeError(err)
         self.cfg = compose_config(list(overrides))
         self.device = build(self.cfg.device, "device")
-        self.dtype = self.cfg.model.get("dtype") or self.cfg.device.dtype
+        self.dtype = model_dtype(self.cfg)
         self.pair = load_pair(self.cfg, self.dtype, self.device)
         ensure_standalone(self.cfg, self.pair, self.dtype, self.device)
         check_against_model(self.cfg, self.pair)  # what generate() would refuse, said now

@@ -52,6 +52,23 @@ def folder_state(path: Optional[str]) -> tuple:
     return tuple(sorted(out))
 
 
+def model_dtype(cfg: DictConfig) -> str:
+    """The dtype the weights run in: model.dtype, else device.dtype. model.dtype=auto takes the checkpoint's own,
+    as transformers' from_pretrained(dtype="auto") does (`models.hf.checkpoint_dtype`); a model built in memory
+    (random_tiny) has none and takes device.dtype."""
+    want = cfg.model.get("dtype")
+    if want != "auto":
+        return want or cfg.device.dtype
+    from specpipe.models.hf import TINY_TARGET, checkpoint_dtype
+
+    target = str(cfg.model.get("_target_", ""))
+    if target.endswith(".load_hf"):
+        return checkpoint_dtype(os.path.expanduser(str(cfg.model.path)))
+    if target.endswith(".load_tiny"):
+        return checkpoint_dtype(TINY_TARGET)
+    return cfg.device.dtype
+
+
 def load_pair(cfg: DictConfig, dtype: str, device):
     """Build the model pair, or reuse it when an earlier job of this process loaded the same one (the same
     settings, and the same files in its folders)."""
@@ -474,7 +491,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     if items is None:
         items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
     device = build(cfg.device, "device")
-    dtype = cfg.model.get("dtype") or cfg.device.dtype
+    dtype = model_dtype(cfg)
     if pair is None:
         pair = load_pair(cfg, dtype, device)
     ensure_standalone(cfg, pair, dtype, device)

@@ -81,7 +81,7 @@ class HiSparseAllocatorConf(AllocatorConf):
 @dataclass
 class ModelConf:
     _target_: str = MISSING
-    dtype: Optional[str] = None  # None: the device's dtype
+    dtype: Optional[str] = None  # None: the device's dtype; auto: the checkpoint's (config.json's dtype/torch_dtype)
 
 
 @dataclass

@@ -180,8 +180,9 @@ def validate(cfg: DictConfig) -> None:
     _targets(cfg, "", errors)
     if cfg.device.dtype not in DTYPES:
         errors.append(f"device.dtype={cfg.device.dtype!r} is unknown (valid: {', '.join(DTYPES)})")
-    if cfg.model.get("dtype") is not None and cfg.model.dtype not in DTYPES:
-        errors.append(f"model.dtype={cfg.model.dtype!r} is unknown (valid: {', '.join(DTYPES)} or null)")
+    if cfg.model.get("dtype") is not None and cfg.model.dtype not in (*DTYPES, "auto"):
+        errors.append(f"model.dtype={cfg.model.dtype!r} is unknown (valid: {', '.join(DTYPES)}, auto for the "
+                      "checkpoint's own, or null for device.dtype)")
     layout = cfg.device.get("weight_layout", "auto")
     if layout not in LAYOUTS:
         errors.append(f"device.weight_layout={layout!r} is not valid: use one of {', '.join(LAYOUTS)} (auto times "

@@ -261,6 +261,36 @@ def indexed_shards(folder: Path, index: Path, kind: str) -> list[Path]:
     return [folder / s for s in shards]
 
 
+SAFETENSORS_DTYPES = {"F32": "float32", "F64": "float64", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_dtype(folder: str | Path) -> str:
+    """The dtype a folder's weights are meant to run in, as transformers' ``from_pretrained(dtype="auto")``
+    reads it: config.json's ``dtype`` (transformers 5) or ``torch_dtype``, else the first floating-point
+    tensor of its safetensors, else float32."""
+    folder = Path(folder)
+    raw = read_config(folder)
+    for key in ("dtype", "torch_dtype"):
+        value = raw.get(key)
+        if isinstance(value, str) and value.removeprefix("torch.") in SAFETENSORS_DTYPES.values():
+            return value.removeprefix("torch.")
+    try:
+        files = [f for f in weight_files(folder) if f.suffix == ".safetensors"]
+    except CheckpointError:
+        files = []
+    for file in files[:1]:
+        try:
+            with open(file, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(min(size, 100_000_000)))
+        except (OSError, ValueError):
+            break  # a damaged file is named by the loader
+        for name, entry in header.items():
+            if name != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in SAFETENSORS_DTYPES:
+                return SAFETENSORS_DTYPES[entry["dtype"]]
+    return "float32"
+
+
 def weight_files(folder: str | Path) -> list[Path]:
     """The weight files of a folder: safetensors first, else PyTorch state dicts; refuses general pickles."""
     folder = Path(folder)
@@ -576,10 +606,13 @@ def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: st
     return ModelPair(target, draft, tokenizer, name=name or folder.name)
 
 
+TINY_TARGET = Path(__file__).resolve().parents[1] / "assets" / "tiny" / "target"
+
+
 def load_tiny(dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
               draft_path: Optional[str | Path] = None) -> ModelPair:
     """The trained byte-level pair shipped in specpipe/assets/tiny/{target,eagle}."""
-    root = Path(__file__).resolve().parents[1] / "assets" / "tiny"
+    root = TINY_TARGET.parent
     if not (root / "target" / "config.json").is_file():
         raise CheckpointError(f"{root / 'target'}: the shipped tiny model is missing; build it with "
                               f"python scripts/train_tiny.py --out {root}")
