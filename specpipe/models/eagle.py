@@ -18,12 +18,15 @@ from specpipe.models.llama import DecoderLayer, KVPool, LlamaConfig, LlamaForCau
 
 class EagleHead(nn.Module):
     def __init__(self, cfg: LlamaConfig, target: LlamaForCausalLM, num_layers: int = 1,
-                 fc_bias: bool = True, own_embed: bool = False, own_lm_head: bool = False):
+                 fc_bias: bool = True, own_embed: bool = False, own_lm_head: bool = False,
+                 first_input_norm: bool = False):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0) for i in range(num_layers))
+        # EAGLE's layer 0 skips its input norm (fc's output feeds attention directly) unless trained with one
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, input_norm=i > 0 or first_input_norm)
+                                    for i in range(num_layers))
         self.rotary = Rotary(cfg)
         # shared modules are kept out of this head's state_dict unless the checkpoint has its own
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embed else None

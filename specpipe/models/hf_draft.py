@@ -89,7 +89,9 @@ def _fields(raw: dict, cfg: LlamaConfig, **more) -> dict:
 
 
 def _load_eagle(raw, file, target, tensors, origin, device) -> EagleHead:
-    """EAGLE-1/2: fc (2H -> H, with bias) + layers.N.* (layer 0 has no input norm) + shared embed / lm_head."""
+    """EAGLE-1/2: fc (2H -> H, with bias) + layers.N.* + shared embed / lm_head. Layer 0 has no input norm in
+    SafeAILab's EAGLE (and sglang / vLLM); a head trained with one saves `layers.0.input_layernorm.weight`, and
+    then it is applied, not refused."""
     cfg = parse_config(raw, file, draft=True)
     cfg.qk_norm = _has_qk_norm(tensors)
     _attention_biases(raw, cfg, tensors)
@@ -99,7 +101,8 @@ def _load_eagle(raw, file, target, tensors, origin, device) -> EagleHead:
     tensors.pop("lm_head.weight", None)
     with torch.device("meta"):
         head = EagleHead(cfg, target, num_layers=cfg.num_hidden_layers, fc_bias="fc.bias" in tensors,
-                         own_embed="embed_tokens.weight" in tensors)
+                         own_embed="embed_tokens.weight" in tensors,
+                         first_input_norm="layers.0.input_layernorm.weight" in tensors)
     fill(head, tensors, origin, file, _fields(raw, cfg), device, what="EAGLE head")
     return finish(head, cfg, device)
 

@@ -312,3 +312,30 @@ def test_an_eagle1_head_scores_drafts_with_the_targets_lm_head_even_when_it_stor
     head = load_draft(folder, target, dtype="float64")
     h = torch.randn(2, 3, target.config.hidden_size, dtype=torch.float64)
     assert torch.equal(head.logits(h), target.logits(h))
+
+
+def test_an_eagle1_head_trained_with_a_layer0_input_norm_applies_it(tmp_path):
+    """SafeAILab's EAGLE skips layer 0's input norm; a head that saved `layers.0.input_layernorm.weight` was
+    trained with one. It was refused as an unexpected tensor; it now loads and normalizes fc's output."""
+    from safetensors.torch import load_file, save_file
+
+    from specpipe.models.random_tiny import build_random_tiny
+
+    pair = build_random_tiny(num_layers=1, hidden_size=32, intermediate_size=64)
+    target = pair.target
+    folder = save_eagle(random_head(target, seed=6), tmp_path / "eagle")
+    plain = load_draft(folder, target)
+    assert isinstance(plain.layers[0].input_layernorm, torch.nn.Identity)
+    sd = load_file(str(folder / "model.safetensors"))
+    norm = 0.5 + torch.rand(target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    sd["layers.0.input_layernorm.weight"] = norm
+    save_file(sd, str(folder / "model.safetensors"))
+    head = load_draft(folder, target)
+    assert torch.equal(head.layers[0].input_layernorm.weight, norm)
+    ids = torch.randint(0, target.config.vocab_size, (1, 5))
+    hidden = torch.randn(1, 5, target.config.hidden_size)
+    x = head.fc(torch.cat((target.embed_tokens(ids), hidden), -1))
+    layer = head.layers[0]
+    cos, sin = head.rotary(torch.arange(5)[None], x.dtype)
+    assert torch.allclose(head(ids, hidden), layer(x, cos, sin, None, None))
+    assert not torch.allclose(head(ids, hidden), plain(ids, hidden))
