@@ -266,10 +266,10 @@ def test_eagle_head_errors(saved, tmp_path, edit_config):
     save_file(sd, f)
     _raises(lambda: load_draft(head, pair.target), str(f), "'fc.weight'", "[64, 64]", "[64, 128]")
     sd["fc.weight"] = torch.zeros(64, 128)
-    sd["layers.0.input_layernorm.weight"] = torch.ones(64)  # EAGLE-1/2 layer 0 has no input norm
+    sd["layers.0.post_feedforward_layernorm.weight"] = torch.ones(64)  # a Gemma-style norm: no Llama layer has it
     save_file(sd, f)
-    _raises(lambda: load_draft(head, pair.target), "unexpected tensor 'layers.0.input_layernorm.weight'")
-    del sd["layers.0.input_layernorm.weight"]
+    _raises(lambda: load_draft(head, pair.target), "unexpected tensor 'layers.0.post_feedforward_layernorm.weight'")
+    del sd["layers.0.post_feedforward_layernorm.weight"]
     save_file(sd, f)
     assert load_draft(head, pair.target).embed_tokens is not None
 
