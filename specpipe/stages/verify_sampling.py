@@ -194,11 +194,10 @@ def sample_tokens(probs: Tensor, u: Tensor) -> Tensor:
 
     The cumulative sum has u's precision (float64 where the device has it): in float32 it steps by 2^-24 of
     the total, so each token below that share got either nothing or a whole step. Never returns a zero-mass
-    id (the first cdf entry strictly above u*total, kept below the total, has positive mass).
+    id (the first cdf entry strictly above u*total has positive mass).
     """
     cdf = probs.to(u.dtype).cumsum(-1)
-    total = cdf[:, -1]
-    t = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))[:, None]
+    t = (u * cdf[:, -1])[:, None]  # below the total: for u < 1, IEEE rounding never reaches it
     return torch.searchsorted(cdf, t, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
