@@ -66,7 +66,7 @@ def main() -> None:
         logits = 4 * torch.randn(1, args.rows, V, generator=torch.Generator().manual_seed(V))
         for name, (t, p, k, m) in SETTINGS.items():
             T, P, K, M = torch.tensor([t]), torch.tensor([p]), torch.tensor([k]), torch.tensor([m])
-            f = Filters(k, p < 1, m > 0, False)  # what SamplingState knows when the request joins
+            f = Filters(greedy=False).add(t, p, k, m)  # what SamplingState knows when the request joins
             new = lambda: process_logits(logits, T, P, K, M, f)  # noqa: E731
             old = lambda: sorted_baseline(logits, T, P, K, M)  # noqa: E731
             same = torch.equal(new() > 0, old() > 0)

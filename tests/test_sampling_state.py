@@ -152,6 +152,10 @@ def test_filters_follow_the_requests_that_joined():
     state.join([2, 3], [(0.7, 0.9, 0), (1.0, 1.0, 40, 1.0, 0.1)])
     f = state.filters
     assert (f.k_max, f.top_p, f.min_p, f.greedy) == (40, True, True, False)
+    assert f.p_without_k  # request 2's nucleus is searched in the whole vocabulary
     state.join([4], [(0.0, 0.5, 100)])  # a greedy request's filters are never applied
     f = state.filters
     assert (f.k_max, f.top_p, f.min_p, f.greedy) == (40, True, True, True)
+    with_k = SamplingState(0.8, 1.0, 0, "cpu", greedy=False)
+    with_k.join([1, 2], [(0.6, 0.95, 20), (0.0, 0.5, 0)])  # Qwen3's defaults; the greedy one does not count
+    assert with_k.filters.top_p and not with_k.filters.p_without_k

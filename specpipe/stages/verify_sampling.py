@@ -77,17 +77,20 @@ class Filters:
     """Which filters some request of the batch uses, known on the host when requests join, so that
     `process_logits` skips the others without reading anything back. Skipping never changes a row: a row
     that does not filter keeps all its tokens either way. k_max: the largest top_k > 0 (0: none);
-    top_p: some top_p < 1; min_p: some min_p > 0; greedy: some temperature is below GREEDY_TEMPERATURE."""
+    top_p: some top_p < 1; min_p: some min_p > 0; greedy: some temperature is below GREEDY_TEMPERATURE;
+    p_without_k: some top_p < 1 has no top_k (its nucleus is searched in the whole vocabulary)."""
     k_max: int = 0
     top_p: bool = False
     min_p: bool = False
     greedy: bool = True
+    p_without_k: bool = False
 
     def add(self, temperature: float, top_p: float, top_k: int, min_p: float) -> "Filters":
         """These filters and one more request's."""
         if temperature < GREEDY_TEMPERATURE:
-            return Filters(self.k_max, self.top_p, self.min_p, True)
-        return Filters(max(self.k_max, int(top_k)), self.top_p or top_p < 1, self.min_p or min_p > 0, self.greedy)
+            return Filters(self.k_max, self.top_p, self.min_p, True, self.p_without_k)
+        return Filters(max(self.k_max, int(top_k)), self.top_p or top_p < 1, self.min_p or min_p > 0, self.greedy,
+                       self.p_without_k or (top_p < 1 and top_k <= 0))
 
     @staticmethod
     def of(temperature: Tensor, top_p: Tensor, top_k: Tensor, min_p: Optional[Tensor]) -> "Filters":
@@ -95,11 +98,22 @@ class Filters:
         k = top_k[top_k > 0]
         return Filters(int(k.max()) if k.numel() else 0, bool((top_p < 1).any()),
                        bool(min_p is not None and (min_p > 0).any()),
-                       bool((temperature < GREEDY_TEMPERATURE).any()))
+                       bool((temperature < GREEDY_TEMPERATURE).any()), bool(((top_p < 1) & (top_k <= 0)).any()))
 
 
 _RADIX = ((20, 11), (10, 10), (0, 10))  # (shift, bits): float32 bit patterns in three digits, high to low
 RADIX_MIN_VOCAB = 8192  # smaller vocabularies sort: as fast, and no histograms of 2048 buckets per row
+
+
+def sorted_floor(sv: Tensor, goal: Tensor) -> Tensor:
+    """sv [R, K] non-negative float32 sorted largest first (every positive value of a row at least as large as
+    any value left out), goal [R] -> [R] int32: the bit pattern of the least likely value whose strictly more
+    likely values hold less than goal (the largest value when none does)."""
+    mass = sv.to(goal.dtype)
+    above = mass.cumsum(-1) - mass  # mass before each sorted position; ties: the first of a run counts
+    n = (above < goal[:, None]).sum(-1)  # a prefix: `above` never decreases
+    floor = sv.view(torch.int32).gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+    return torch.where(n > 0, floor, sv[:, 0].view(torch.int32))
 
 
 def nucleus_floor(probs: Tensor, top_p: Tensor, radix: Optional[bool] = None) -> Tensor:
@@ -119,12 +133,7 @@ def nucleus_floor(probs: Tensor, top_p: Tensor, radix: Optional[bool] = None) ->
     w = torch.where(probs > 0, probs, torch.zeros_like(probs))  # NaN and -0.0 to +0.0: bit patterns >= 0
     goal = top_p.to(acc) * w.to(acc).sum(-1)  # [R] the mass the more likely tokens must stay below
     if not (V >= RADIX_MIN_VOCAB if radix is None else radix):
-        sv = w.sort(-1, descending=True).values
-        mass = sv.to(acc)
-        above = mass.cumsum(-1) - mass  # mass before each sorted position; ties: the first of a run counts
-        n = (above < goal[:, None]).sum(-1)  # a prefix: `above` never decreases
-        floor = sv.view(torch.int32).gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
-        return torch.where(n > 0, floor, sv[:, 0].view(torch.int32))
+        return sorted_floor(w.sort(-1, descending=True).values, goal)
     bits = w.view(torch.int32)
     mass = w.to(acc)
     base = torch.zeros(R, dtype=acc, device=probs.device)  # mass above the bucket chosen so far
@@ -176,7 +185,17 @@ def process_logits(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Te
         keep = (probs >= kth) | (top_k <= 0)[:, None, None]
         kept = torch.where(keep, probs, torch.zeros_like(probs))
     if f.top_p:
-        floor = nucleus_floor(kept.reshape(B * N, V), top_p.repeat_interleave(N)).view(B, N, 1)
+        # a row with top-k finds its nucleus among its top values; one without, in the whole vocabulary. Each row
+        # is always searched its own way, so its result does not depend on the batch.
+        floor = None
+        if f.p_without_k or f.k_max == 0:
+            floor = nucleus_floor(kept.reshape(B * N, V), top_p.repeat_interleave(N)).view(B, N, 1)
+        if f.k_max > 0:
+            acc = wide_float(probs.device)
+            goal = top_p.to(acc)[:, None] * kept.to(acc).sum(-1)  # [B,N] (ties of the k-th beyond K counted too)
+            head = torch.where(top >= kth, top, torch.zeros_like(top))
+            in_top = sorted_floor(head.reshape(B * N, K), goal.reshape(-1)).view(B, N, 1)
+            floor = in_top if floor is None else torch.where((top_k > 0)[:, None, None], in_top, floor)
         nucleus = (kept.view(torch.int32) >= floor) | (top_p >= 1)[:, None, None]
         kept = torch.where(nucleus, kept, torch.zeros_like(kept))
     if f.min_p and min_p is not None:  # relative to the most likely: the same before or after renormalising

@@ -295,3 +295,28 @@ def test_no_sort_over_the_vocabulary():
     assert "topk" in top_k and "sort" not in top_k
     top_p = _aten_ops(lambda: process_logits(logits, one, one * 0.9, k0, zero))
     assert "sort" not in top_p and "topk" not in top_p
+    both = _aten_ops(lambda: process_logits(logits, one, one * 0.9, k0 + 20, zero))
+    assert "sort" not in both and "scatter_add_" not in both  # the nucleus among the top-k values
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_top_k_then_top_p_matches_brute_force_and_each_row_keeps_its_own_way(case):
+    """A row with top-k searches its nucleus among its top values, one without in the whole vocabulary; both
+    equal the brute force (ties of the k-th included: bf16-like logits), and a row gives the same
+    probabilities alone as beside a row of the other kind."""
+    g = torch.Generator().manual_seed(100 + case)
+    V = 20000 if case % 2 else 600  # the radix select and the sort for rows without top-k
+    logits = (torch.randn(4, 2, V, generator=g) * 3).to(torch.bfloat16).float()  # few distinct values: ties
+    T = torch.tensor([1.0, 0.8, 1.2, 0.9])
+    P = torch.rand(4, generator=g) * 0.9 + 0.05
+    K = torch.tensor([int(torch.randint(1, 60, (1,), generator=g)), 0, 5, int(torch.randint(1, 3000, (1,), generator=g))])
+    out = process_logits(logits, T, P, K)
+    for b in range(4):
+        probs = torch.softmax(logits[b] / T[b], -1)
+        for n in range(2):
+            p = probs[n]
+            if K[b] > 0:
+                p = torch.where(p >= p.topk(min(int(K[b]), V)).values[-1], p, torch.zeros_like(p))  # top_k > V: all
+            assert torch.equal(out[b, n] > 0, _nucleus_reference(p, float(P[b]))), (case, b, n)
+        alone = process_logits(logits[b:b + 1], T[b:b + 1], P[b:b + 1], K[b:b + 1])
+        assert torch.equal(alone, out[b:b + 1]), (case, b)
