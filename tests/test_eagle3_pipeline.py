@@ -28,3 +28,33 @@ def test_eagle3_head_drafts_losslessly(prompts_file):
     # the target's forwards that also return aux layers go through its forward (and so the model timer)
     sm, mm = out["metrics"]["stage_ms"], out["metrics"]["stage_model_ms"]
     assert 0 < mm["verify"] <= sm["verify"] and 0 < mm["prefill"] <= sm["prefill"]
+
+
+def test_eagle3_head_without_aux_hidden_states_drafts_losslessly_from_the_final_hidden(prompts_file):
+    """use_aux_hidden_state false: the pipeline gives the head the target's final hidden (no aux layers); the
+    head's first forward (the draft extend over the prompt) sees exactly the target's final hidden of the prompt."""
+    pair = build_random_tiny(seed=4, dtype="float64", num_layers=4)
+    t = pair.target
+    head = Eagle3Head(t.config, t, use_aux_hidden_state=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 / max(1, p.shape[-1]) ** 0.5)
+    pair.draft = head.to(torch.float64)
+    seen = []
+    forward = head.forward
+    head.forward = lambda ids, hidden, batch=None: (seen.append(hidden.detach().clone()), forward(ids, hidden, batch))[1]
+    path = prompts_file(["def main():", "x = [1, 2, 3]\nfor i in x:", "import os"])
+    common = ["model=random_tiny", "model.num_layers=4", "device.dtype=float64", f"workload.prompts_file={path}",
+              "workload.max_new_tokens=16"]
+    want = [r.output_ids for r in run(compose(*common, "draft=none"), quiet=True, pair=pair)["requests"]]
+    out = run(compose(*common, "draft.topk=2", "draft.num_steps=3", "workload.batch_size=1"), quiet=True, pair=pair)
+    assert [r.output_ids for r in out["requests"]] == want
+    assert out["metrics"]["kv_leaked_slots"] == 0 and out["metrics"]["num_verify_steps"] > 0
+    prompt = out["requests"][0].prompt_ids
+    t.kv = None
+    with torch.no_grad():
+        final = t(torch.tensor([prompt]))
+    assert seen[0].shape == final.shape and torch.allclose(seen[0], final)
+    assert all(h.shape[-1] == t.config.hidden_size for h in seen)

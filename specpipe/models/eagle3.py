@@ -6,6 +6,9 @@ and the fused hidden (``hidden_norm``) separately and attends over their concate
 q/k/v projections take 2*H inputs; the residual is the un-normed hidden. Later draft steps feed the
 head's own (pre-norm) output back as the hidden, skipping ``fc``. Logits come from ``norm`` and an
 ``lm_head`` over a reduced draft vocabulary; ``d2t`` maps draft id d to target id d + d2t[d].
+
+A head trained with ``use_aux_hidden_state: false`` (e.g. NVIDIA Model Optimizer's *-Eagle3-v2 heads) reads the
+target's final (normed) hidden instead, as EAGLE-1/2 do: no aux layers and no ``fc``.
 """
 from __future__ import annotations
 
@@ -60,15 +63,23 @@ class Eagle3Head(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, target: LlamaForCausalLM, draft_vocab_size: Optional[int] = None,
                  target_hidden_size: Optional[int] = None, aux_layers: Optional[Sequence[int]] = None,
-                 fc_bias: bool = False, own_embed: bool = False, norm_before_residual: bool = False):
+                 fc_bias: bool = False, own_embed: bool = False, norm_before_residual: bool = False,
+                 use_aux_hidden_state: bool = True):
         super().__init__()
         self.config = cfg
         h, vocab = cfg.hidden_size, cfg.vocab_size
         vd = draft_vocab_size or vocab
         n_target = target.config.num_hidden_layers
-        self.aux_layers = list(aux_layers) if aux_layers is not None else default_aux_layers(n_target)
         th = target_hidden_size or target.config.hidden_size
-        self.fc = nn.Linear(len(self.aux_layers) * th, h, bias=fc_bias)
+        if not use_aux_hidden_state:  # the target's final hidden, as is: [] makes the pipeline pass that one
+            if th != h:
+                raise ValueError(f"an EAGLE-3 head without aux hidden states has no fc to map the target's width "
+                                 f"{th} to its own {h}")
+            self.aux_layers: list[int] = []
+            self.fc: Optional[nn.Linear] = None
+        else:
+            self.aux_layers = list(aux_layers) if aux_layers is not None else default_aux_layers(n_target)
+            self.fc = nn.Linear(len(self.aux_layers) * th, h, bias=fc_bias)
         self.midlayer = Eagle3Layer(cfg, norm_before_residual)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)  # over the draft vocab
@@ -84,7 +95,7 @@ class Eagle3Head(nn.Module):
         return self.lm_head.out_features
 
     def setup_kv(self, num_slots: int, dtype: Optional[torch.dtype] = None) -> KVPool:
-        c, p = self.config, self.fc.weight
+        c, p = self.config, self.lm_head.weight
         self.kv = KVPool(1, num_slots, c.num_key_value_heads, c.head_dim, dtype or p.dtype, p.device)
         return self.kv
 
@@ -93,18 +104,23 @@ class Eagle3Head(nn.Module):
 
     def capture(self, target: LlamaForCausalLM, input_ids: Tensor,
                 batch: Optional[AttentionBatch] = None) -> tuple[Tensor, Tensor]:
-        """Run the target; returns ([B, Q, H] final hidden, [B, Q, 3*Ht] this head's aux hidden)."""
+        """Run the target; returns ([B, Q, H] final hidden, [B, Q, 3*Ht] this head's input: the aux layers'
+        outputs, or the final hidden again for a head without aux hidden states)."""
+        if self.fc is None:
+            final = target(input_ids, batch)
+            return final, final
         return target(input_ids, batch, aux_layers=self.aux_layers)
 
     def forward(self, input_ids: Tensor, target_hidden: Tensor, batch: Optional[AttentionBatch] = None) -> Tensor:
         """[B, Q] ids, [B, Q, 3*Ht] target aux hidden (or [B, Q, H] own hidden) -> [B, Q, H] draft hidden."""
-        w = self.fc.weight
+        w = self.lm_head.weight
         hidden = target_hidden.to(w.dtype)
-        if hidden.shape[-1] == self.fc.in_features:
+        if self.fc is not None and hidden.shape[-1] == self.fc.in_features:
             hidden = self.fc(hidden)
         elif hidden.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"target_hidden has width {hidden.shape[-1]}; expected {self.fc.in_features} "
-                             f"(aux layers {self.aux_layers} of the target) or {self.config.hidden_size}")
+            raise ValueError(f"target_hidden has width {hidden.shape[-1]}; expected "
+                             + (f"{self.fc.in_features} (aux layers {self.aux_layers} of the target) or "
+                                if self.fc is not None else "") + f"{self.config.hidden_size}")
         emb = self.embed(input_ids).to(w.dtype)
         cos, sin = self.rotary(_positions(input_ids, batch), w.dtype)
         return self.midlayer(emb, hidden, cos, sin, batch, self.kv)

@@ -138,6 +138,17 @@ def _aux_layers(raw: dict, file: Path, n: int):
     return [j - 1 for j in aux]
 
 
+def _use_aux_hidden_state(raw: dict, file: Path) -> bool:
+    """`eagle_config.use_aux_hidden_state` (sglang and vLLM read it there; default true): false for a head
+    trained on the target's final hidden (NVIDIA Model Optimizer's *-Eagle3-v2 heads)."""
+    eagle_config = raw.get("eagle_config")
+    value = eagle_config.get("use_aux_hidden_state", True) if isinstance(eagle_config, dict) else True
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{file}: field 'eagle_config.use_aux_hidden_state' is {value!r}; expected true (the "
+                              f"head reads aux layers through fc) or false (it reads the target's final hidden)")
+    return value
+
+
 def _vocab_maps(raw, file, cfg, tensors, origin, vd: int) -> None:
     """Fill in / check d2t (draft id -> offset to target id) and t2d (target id in draft vocab)."""
     vocab = cfg.vocab_size
@@ -185,11 +196,24 @@ def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Hea
     if "lm_head.weight" not in tensors and vd == cfg.vocab_size:
         tensors["lm_head.weight"] = target.lm_head.weight.detach().to("cpu", dtype)  # lm_head shared
     _vocab_maps(raw, file, cfg, tensors, origin, vd)
-    aux = _aux_layers(raw, file, tc.num_hidden_layers)
+    use_aux = _use_aux_hidden_state(raw, file)
+    if use_aux:
+        aux = _aux_layers(raw, file, tc.num_hidden_layers)
+    else:  # the target's final hidden goes in as is, so the widths must agree; an fc saved anyway is unused (vLLM)
+        aux = None
+        if cfg.hidden_size != tc.hidden_size:
+            raise CheckpointError(f"{file}: field 'eagle_config.use_aux_hidden_state' is false, so the head reads the "
+                                  f"target's final hidden without an fc projection, but its hidden_size is "
+                                  f"{cfg.hidden_size} and the target's {tc.hidden_size}")
+        for n in [n for n in tensors if n.startswith("fc.")]:
+            del tensors[n]
     with torch.device("meta"):
         head = Eagle3Head(cfg, target, draft_vocab_size=vd, target_hidden_size=th, aux_layers=aux,
                           fc_bias="fc.bias" in tensors, own_embed=own_embed,
-                          norm_before_residual=bool(raw.get("norm_before_residual", False)))
+                          norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                          use_aux_hidden_state=use_aux)
     fields = _fields(raw, cfg, draft_vocab_size=vd, target_hidden_size=th)
-    fill(head, tensors, origin, file, fields, device, what=f"EAGLE-3 head (aux layers {head.aux_layers})")
+    what = f"EAGLE-3 head (aux layers {head.aux_layers})" if use_aux else \
+        "EAGLE-3 head (use_aux_hidden_state false: no fc)"
+    fill(head, tensors, origin, file, fields, device, what=what)
     return finish(head, cfg, device)

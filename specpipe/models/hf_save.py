@@ -131,8 +131,11 @@ def save_eagle(head: nn.Module, folder: str | Path, dtype=None) -> Path:
         config = config_to_hf(cfg)
         config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
                       draft_vocab_size=head.draft_vocab_size,
-                      target_hidden_size=head.fc.in_features // len(head.aux_layers))
-        if min(head.aux_layers) >= 0:  # sglang's convention: layer i's output
+                      target_hidden_size=head.fc.in_features // len(head.aux_layers) if head.fc is not None
+                      else cfg.hidden_size)
+        if head.fc is None:  # reads the target's final hidden
+            config["eagle_config"] = {"use_aux_hidden_state": False}
+        elif min(head.aux_layers) >= 0:  # sglang's convention: layer i's output
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)}
         else:  # the embeddings have a name only in vLLM's: the input of layer j
             config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in head.aux_layers]

@@ -214,3 +214,37 @@ def test_config_fields_of_the_wrong_type_are_named(setup, tmp_path, field, value
     target, _, sd = setup
     with pytest.raises(CheckpointError, match=message):
         load_draft(_write(tmp_path / "bad", {**_config(), field: value}, sd), target)
+
+
+@torch.no_grad()
+def test_a_head_without_aux_hidden_states_reads_the_targets_final_hidden(setup, tmp_path):
+    """`eagle_config.use_aux_hidden_state: false` (NVIDIA's *-Eagle3-v2 heads): no aux layers and no fc; the
+    target's final hidden goes into the midlayer as is. Loading one as an aux head refused it (an fc of the
+    wrong width) or, with an fc saved beside it, drafted from the wrong features."""
+    target, _, sd = setup
+    config = {**_config(), "eagle_config": {"use_aux_hidden_state": False}}
+    plain = {k: v for k, v in sd.items() if not k.startswith("fc.")}
+    head = load_draft(_write(tmp_path / "v2", config, plain), target)
+    assert head.aux_layers == [] and head.fc is None
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(7))
+    final, features = head.capture(target, ids)
+    assert torch.equal(final, target(ids)) and torch.equal(features, final)
+    # the midlayer over the final hidden: the same layer as an aux head's whose fc output is that hidden
+    aux_head = load_draft(_write(tmp_path / "aux", _config(), sd), target)
+    aux_head.fc = None
+    assert torch.equal(head(ids, final), aux_head.midlayer(aux_head.embed(ids), final,
+                                                           *aux_head.rotary(torch.arange(6)[None].expand(2, 6),
+                                                                            final.dtype), None, None))
+    # an fc saved anyway is not used (vLLM skips it too)
+    again = load_draft(_write(tmp_path / "with_fc", config, sd), target)
+    assert again.fc is None and torch.equal(again(ids, final), head(ids, final))
+    save_eagle(head, tmp_path / "saved", dtype="float32")
+    raw = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert raw["eagle_config"] == {"use_aux_hidden_state": False}
+    saved = load_draft(tmp_path / "saved", target)
+    assert saved.fc is None and torch.equal(saved.logits(saved(ids, final)), head.logits(head(ids, final)))
+    with pytest.raises(CheckpointError, match=r"'eagle_config.use_aux_hidden_state' is 'no'; expected true"):
+        load_draft(_write(tmp_path / "bad", {**_config(), "eagle_config": {"use_aux_hidden_state": "no"}}, sd), target)
+    wide = {**plain, "embed_tokens.weight": torch.zeros(V, 96)}
+    with pytest.raises(CheckpointError, match="use_aux_hidden_state' is false.*hidden_size is 96 and the target's 64"):
+        load_draft(_write(tmp_path / "wide", {**config, "hidden_size": 96}, wide), target)
