@@ -681,3 +681,24 @@ def test_a_checkpoint_saved_again_in_place_is_loaded_again(tmp_path):
     again = run(compose(*over), quiet=True)["requests"][0]
     assert MODEL_LOADS[0] == loads + 1
     assert again.finish_reason == "stop" and len(again.output_ids) <= 2 and again.output_ids != ids
+
+
+def test_generation_config_eos_ends_requests_of_a_specpipe_tokenizer_folder(tmp_path):
+    """A folder whose tokenizer is described in config.json (`specpipe_tokenizer`, as the shipped pair's) still
+    takes generation_config.json's eos_token_id list as what ends a request, as a tokenizer.json folder does; it
+    was ignored, so such a request ran to max_new_tokens past the model's stop id."""
+    import shutil
+
+    from specpipe.models.hf import load_target, load_tokenizer
+    from specpipe.tokenizer import stop_token_ids
+
+    folder = tmp_path / "target"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "specpipe/assets/tiny/target", folder)
+    over = ("model=hf", f"model.path={folder}", "draft=none", "workload.max_new_tokens=8", "workload.num_prompts=1")
+    ids = run(compose(*over), quiet=True)["requests"][0].output_ids
+    eos = json.loads((folder / "config.json").read_text())["specpipe_tokenizer"]["eos_token_id"]
+    assert eos not in ids[:2]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, ids[1]]}))
+    assert list(stop_token_ids(load_tokenizer(folder, load_target(folder).config))) == [eos, ids[1]]
+    again = run(compose(*over), quiet=True)["requests"][0]
+    assert again.finish_reason == "stop" and again.output_ids[-1] == ids[1] and len(again.output_ids) <= 2

@@ -553,6 +553,11 @@ def load_tokenizer(folder: str | Path, cfg: LlamaConfig, raw: Optional[dict] = N
         except Exception as e:
             raise CheckpointError(f"{folder / 'config.json'}: field 'specpipe_tokenizer' ({desc!r}) does not "
                                   f"describe a usable tokenizer: {e}") from None
+        if generation_config(folder).get("eos_token_id") is not None:  # what ends a request, as for tokenizer.json
+            eos = eos_ids(folder, cfg)
+            tok.eos_token_ids = tuple(eos)
+            if tok.eos_token_id is None and eos:
+                tok.eos_token_id = eos[0]
     elif (folder / "tokenizer.json").is_file():
         eos = eos_ids(folder, cfg)
         how = tokenizer_config(folder, raw)
