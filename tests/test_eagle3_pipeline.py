@@ -1,4 +1,6 @@
 """An EAGLE-3 head (random weights, reduced draft vocabulary) drafts through the pipeline, losslessly."""
+import copy
+
 import torch
 
 from helpers import compose
@@ -58,3 +60,24 @@ def test_eagle3_head_without_aux_hidden_states_drafts_losslessly_from_the_final_
         final = t(torch.tensor([prompt]))
     assert seen[0].shape == final.shape and torch.allclose(seen[0], final)
     assert all(h.shape[-1] == t.config.hidden_size for h in seen)
+
+
+def test_eagle3_head_of_two_layers_drafts_losslessly(prompts_file):
+    pair = build_random_tiny(seed=4, dtype="float64", num_layers=4)
+    cfg = copy.deepcopy(pair.target.config)
+    cfg.num_hidden_layers = 2
+    head = Eagle3Head(cfg, pair.target, draft_vocab_size=200, aux_layers=[0, 1, 3])
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 / max(1, p.shape[-1]) ** 0.5)
+        head.d2t.zero_()
+    pair.draft = head.to(torch.float64)
+    path = prompts_file(["def main():", "x = [1, 2, 3]\nfor i in x:", "import os"])
+    common = ["model=random_tiny", "model.num_layers=4", "device.dtype=float64", f"workload.prompts_file={path}",
+              "workload.max_new_tokens=16", "workload.batch_size=3"]
+    want = [r.output_ids for r in run(compose(*common, "draft=none"), quiet=True, pair=pair)["requests"]]
+    out = run(compose(*common, "draft.topk=2", "draft.num_steps=3"), quiet=True, pair=pair)
+    assert [r.output_ids for r in out["requests"]] == want
+    assert out["metrics"]["kv_leaked_slots"] == 0 and len(head.kv.keys) == 2

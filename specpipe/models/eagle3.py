@@ -7,6 +7,9 @@ q/k/v projections take 2*H inputs; the residual is the un-normed hidden. Later d
 head's own (pre-norm) output back as the hidden, skipping ``fc``. Logits come from ``norm`` and an
 ``lm_head`` over a reduced draft vocabulary; ``d2t`` maps draft id d to target id d + d2t[d].
 
+A head of several layers (``num_hidden_layers`` > 1, as vLLM runs them) continues the residual stream through
+plain decoder layers ``layers.1`` ... after the midlayer; what the last one leaves is the head's hidden.
+
 A head trained with ``use_aux_hidden_state: false`` (e.g. NVIDIA Model Optimizer's *-Eagle3-v2 heads) reads the
 target's final (normed) hidden instead, as EAGLE-1/2 do: no aux layers and no ``fc``.
 """
@@ -18,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from specpipe.models.attention_batch import AttentionBatch
-from specpipe.models.llama import MLP, Attention, KVPool, LlamaConfig, LlamaForCausalLM, RMSNorm, Rotary
+from specpipe.models.llama import (MLP, Attention, DecoderLayer, KVPool, LlamaConfig, LlamaForCausalLM, RMSNorm,
+                                   Rotary)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -81,6 +85,8 @@ class Eagle3Head(nn.Module):
             self.aux_layers = list(aux_layers) if aux_layers is not None else default_aux_layers(n_target)
             self.fc = nn.Linear(len(self.aux_layers) * th, h, bias=fc_bias)
         self.midlayer = Eagle3Layer(cfg, norm_before_residual)
+        # named by their index in the checkpoint (layers.1, layers.2, ...): the midlayer is layer 0
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)  # over the draft vocab
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))  # target id = d + d2t[d]
@@ -96,7 +102,7 @@ class Eagle3Head(nn.Module):
 
     def setup_kv(self, num_slots: int, dtype: Optional[torch.dtype] = None) -> KVPool:
         c, p = self.config, self.lm_head.weight
-        self.kv = KVPool(1, num_slots, c.num_key_value_heads, c.head_dim, dtype or p.dtype, p.device)
+        self.kv = KVPool(1 + len(self.layers), num_slots, c.num_key_value_heads, c.head_dim, dtype or p.dtype, p.device)
         return self.kv
 
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -123,7 +129,10 @@ class Eagle3Head(nn.Module):
                                 if self.fc is not None else "") + f"{self.config.hidden_size}")
         emb = self.embed(input_ids).to(w.dtype)
         cos, sin = self.rotary(_positions(input_ids, batch), w.dtype)
-        return self.midlayer(emb, hidden, cos, sin, batch, self.kv)
+        x = self.midlayer(emb, hidden, cos, sin, batch, self.kv)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, batch, self.kv)
+        return x
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """[..., H] -> [..., Vd] logits over the draft vocabulary."""

@@ -21,8 +21,8 @@ def load_draft_folder(folder: Path, target: LlamaForCausalLM, dtype: torch.dtype
     tensors, origin = read_tensors(weight_files(folder), dtype)
     arch = str(raw.get("architectures") or "").lower()
     layers = {n.split(".")[1] for n in tensors if n.startswith("layers.") and n.count(".") > 1}
-    if "fc.weight" not in tensors and len(layers) > 1 and ("lm_head.weight" in tensors or "embed_tokens.weight"
-                                                           in tensors):
+    if "eagle3" not in arch and "fc.weight" not in tensors and len(layers) > 1 and (
+            "lm_head.weight" in tensors or "embed_tokens.weight" in tensors):
         raise CheckpointError(f"{folder}: a whole causal LM ({len(layers)} decoder layers, no EAGLE 'fc' projection), "
                               f"not an EAGLE head; to draft with a small LM of the target's tokenizer use draft="
                               f"standalone draft.path={folder}, or give the EAGLE head's folder as draft.path")
@@ -171,7 +171,8 @@ def _vocab_maps(raw, file, cfg, tensors, origin, vd: int) -> None:
 
 
 def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Head:
-    """EAGLE-3: midlayer.* + fc (3*Ht -> H) + norm + lm_head (draft vocab) + d2t / t2d."""
+    """EAGLE-3: midlayer.* (layers.1.* ... for a head of several layers) + fc (3*Ht -> H) + norm + lm_head (draft
+    vocab) + d2t / t2d."""
     cfg = parse_config(raw, file, draft=True)
     cfg.qk_norm = _has_qk_norm(tensors)
     _attention_biases(raw, cfg, tensors)
@@ -187,9 +188,8 @@ def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Hea
     if th != tc.hidden_size:
         raise CheckpointError(f"{file}: field 'target_hidden_size' is {th} but the target has hidden_size="
                               f"{tc.hidden_size}")
-    if cfg.num_hidden_layers != 1:
-        raise CheckpointError(f"{file}: field 'num_hidden_layers' is {cfg.num_hidden_layers}; specpipe supports "
-                              f"EAGLE-3 heads with one midlayer")
+    for i in range(1, cfg.num_hidden_layers):  # vLLM builds a hidden_norm into every layer; only layer 0 uses it
+        tensors.pop(f"layers.{i}.hidden_norm.weight", None)
     vd = raw.get("draft_vocab_size") or cfg.vocab_size
     if not isinstance(vd, int) or not 0 < vd <= cfg.vocab_size:
         raise CheckpointError(f"{file}: field 'draft_vocab_size' is {vd!r}; expected 1..vocab_size={cfg.vocab_size}")

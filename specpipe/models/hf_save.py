@@ -129,7 +129,7 @@ def save_eagle(head: nn.Module, folder: str | Path, dtype=None) -> Path:
     cfg = head.config
     if hasattr(head, "midlayer"):  # EAGLE-3
         config = config_to_hf(cfg)
-        config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+        config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1 + len(head.layers),
                       draft_vocab_size=head.draft_vocab_size,
                       target_hidden_size=head.fc.in_features // len(head.aux_layers) if head.fc is not None
                       else cfg.hidden_size)

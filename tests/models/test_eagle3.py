@@ -248,3 +248,67 @@ def test_a_head_without_aux_hidden_states_reads_the_targets_final_hidden(setup, 
     wide = {**plain, "embed_tokens.weight": torch.zeros(V, 96)}
     with pytest.raises(CheckpointError, match="use_aux_hidden_state' is false.*hidden_size is 96 and the target's 64"):
         load_draft(_write(tmp_path / "wide", {**config, "hidden_size": 96}, wide), target)
+
+
+def _layer_tensors(i: int, seed: int) -> dict[str, torch.Tensor]:
+    """A plain decoder layer's tensors under layers.{i} (plus the hidden_norm vLLM builds into every layer)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"input_layernorm.weight": (H,), "hidden_norm.weight": (H,), "post_attention_layernorm.weight": (H,),
+              "self_attn.q_proj.weight": (HEADS * HD, H), "self_attn.k_proj.weight": (KV * HD, H),
+              "self_attn.v_proj.weight": (KV * HD, H), "self_attn.o_proj.weight": (H, HEADS * HD),
+              "mlp.gate_proj.weight": (INTER, H), "mlp.up_proj.weight": (INTER, H), "mlp.down_proj.weight": (H, INTER)}
+    return {f"layers.{i}.{k}": ((1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else
+                                torch.randn(s, generator=g) / s[1] ** 0.5).to(torch.bfloat16) for k, s in shapes.items()}
+
+
+@torch.no_grad()
+def test_a_head_of_several_layers_runs_them_all(setup, tmp_path):
+    """num_hidden_layers > 1 (vLLM's multi-layer EAGLE-3: layers.0 is the midlayer, later layers are plain decoder
+    layers over the residual stream). It was refused; now every layer runs, each with its own KV layer."""
+    target, _, sd = setup
+    vllm_names = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+    three = {**vllm_names, **_layer_tensors(1, 11), **_layer_tensors(2, 12)}
+    head = load_draft(_write(tmp_path / "three", {**_config(), "num_hidden_layers": 3}, three), target)
+    one = load_draft(_write(tmp_path / "one", _config(), sd), target)
+    assert list(head.layers) == ["1", "2"]
+    ids = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(8))
+    aux = head.capture(target, ids)[1]
+    cos, sin = head.rotary(torch.arange(7)[None], aux.dtype)
+    want = one(ids, aux)  # the midlayer alone, then layers 1 and 2 by hand
+    for i in (1, 2):
+        w = {k.removeprefix(f"layers.{i}."): v.float() for k, v in three.items() if k.startswith(f"layers.{i}.")}
+        want = _reference_layer(want, w, cos, sin)
+    got = head(ids, aux)
+    assert (got - want).abs().max() < 1e-4 and (got - one(ids, aux)).abs().max() > 1e-2
+    head.setup_kv(20)  # decoding through the KV pool gives the same as the plain forward, layer by layer
+    assert len(head.kv.keys) == 3
+    table, one_, rows = torch.arange(1, 8)[None], torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    pre = head(ids[:, :4], aux[:, :4], extend_batch(table, rows, 0 * one_, 4 * one_, 4, 4))
+    assert (pre - got[:, :4]).abs().max() < 1e-5
+    for p in range(4, 7):
+        out = head(ids[:, p:p + 1], aux[:, p:p + 1], extend_batch(table, rows, p * one_, one_, 1, p + 1))
+        assert (out[:, 0] - got[:, p]).abs().max() < 1e-5
+    save_eagle(head, tmp_path / "saved", dtype="float32")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["num_hidden_layers"] == 3
+    again = load_draft(tmp_path / "saved", target)
+    assert (again(ids, aux) - got).abs().max() < 1e-6
+    with pytest.raises(CheckpointError, match="layers.2.*missing"):
+        load_draft(_write(tmp_path / "short", {**_config(), "num_hidden_layers": 3},
+                          {**vllm_names, **_layer_tensors(1, 11)}), target)
+
+
+def _reference_layer(x, w, cos, sin):
+    """A Llama decoder layer by hand (attention through F.scaled_dot_product_attention, causal)."""
+    rms = lambda t, g: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * g  # noqa: E731
+    B, Q, _ = x.shape
+    h = rms(x, w["input_layernorm.weight"])
+    q = (h @ w["self_attn.q_proj.weight"].T).view(B, Q, HEADS, HD)
+    k = (h @ w["self_attn.k_proj.weight"].T).view(B, Q, KV, HD)
+    v = (h @ w["self_attn.v_proj.weight"].T).view(B, Q, KV, HD)
+    rot = lambda t: torch.cat((-t[..., HD // 2:], t[..., :HD // 2]), -1)  # noqa: E731
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    k, v = k.repeat_interleave(HEADS // KV, 2), v.repeat_interleave(HEADS // KV, 2)
+    a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    x = x + a.transpose(1, 2).reshape(B, Q, HEADS * HD) @ w["self_attn.o_proj.weight"].T
+    m = rms(x, w["post_attention_layernorm.weight"])
+    return x + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
