@@ -10,6 +10,11 @@ head's own (pre-norm) output back as the hidden, skipping ``fc``. Logits come fr
 A head of several layers (``num_hidden_layers`` > 1, as vLLM runs them) continues the residual stream through
 plain decoder layers ``layers.1`` ... after the midlayer; what the last one leaves is the head's hidden.
 
+EAGLE-3.1 options (speculators, NVIDIA Model Optimizer): ``norm_before_fc`` puts an RMSNorm (``input_norm``)
+over the concatenated aux hidden before ``fc``, ``fc_norm`` one RMSNorm per aux layer (``fc_norm.i``), and
+``norm_output`` makes the step's hidden the final norm's output: the next step reads it and the lm_head takes it
+without a second norm.
+
 A head trained with ``use_aux_hidden_state: false`` (e.g. NVIDIA Model Optimizer's *-Eagle3-v2 heads) reads the
 target's final (normed) hidden instead, as EAGLE-1/2 do: no aux layers and no ``fc``.
 """
@@ -68,7 +73,8 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: LlamaConfig, target: LlamaForCausalLM, draft_vocab_size: Optional[int] = None,
                  target_hidden_size: Optional[int] = None, aux_layers: Optional[Sequence[int]] = None,
                  fc_bias: bool = False, own_embed: bool = False, norm_before_residual: bool = False,
-                 use_aux_hidden_state: bool = True):
+                 use_aux_hidden_state: bool = True, norm_before_fc: bool = False, fc_norm: bool = False,
+                 norm_output: bool = False):
         super().__init__()
         self.config = cfg
         h, vocab = cfg.hidden_size, cfg.vocab_size
@@ -84,6 +90,12 @@ class Eagle3Head(nn.Module):
         else:
             self.aux_layers = list(aux_layers) if aux_layers is not None else default_aux_layers(n_target)
             self.fc = nn.Linear(len(self.aux_layers) * th, h, bias=fc_bias)
+        n_in = len(self.aux_layers)
+        eps = cfg.rms_norm_eps
+        self.fc_norm = nn.ModuleList([RMSNorm(th, eps) for _ in range(n_in)]) if fc_norm and self.fc is not None \
+            else None
+        self.input_norm = RMSNorm(n_in * th, eps) if norm_before_fc and self.fc is not None else None
+        self.norm_output = norm_output
         self.midlayer = Eagle3Layer(cfg, norm_before_residual)
         # named by their index in the checkpoint (layers.1, layers.2, ...): the midlayer is layer 0
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(1, cfg.num_hidden_layers)})
@@ -122,6 +134,10 @@ class Eagle3Head(nn.Module):
         w = self.lm_head.weight
         hidden = target_hidden.to(w.dtype)
         if self.fc is not None and hidden.shape[-1] == self.fc.in_features:
+            if self.fc_norm is not None:
+                hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, hidden.chunk(len(self.fc_norm), -1))], -1)
+            if self.input_norm is not None:
+                hidden = self.input_norm(hidden)
             hidden = self.fc(hidden)
         elif hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(f"target_hidden has width {hidden.shape[-1]}; expected "
@@ -132,11 +148,11 @@ class Eagle3Head(nn.Module):
         x = self.midlayer(emb, hidden, cos, sin, batch, self.kv)
         for layer in self.layers.values():
             x = layer(x, cos, sin, batch, self.kv)
-        return x
+        return self.norm(x) if self.norm_output else x
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """[..., H] -> [..., Vd] logits over the draft vocabulary."""
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocab ids -> target-vocab ids."""

@@ -50,12 +50,10 @@ def _from_speculators(raw: dict, file: Path) -> dict:
                               f"{'' if isinstance(layer, dict) else ' without a transformer_layer_config object'}; "
                               f"specpipe loads speculators heads of type 'eagle3' (and EAGLE-1/2 or EAGLE-3 heads in "
                               f"the EAGLE/SpecForge layout)")
-    if raw.get("norm_before_fc"):
-        raise CheckpointError(f"{file}: field 'norm_before_fc' is true (an RMSNorm before fc), which specpipe's "
-                              f"EAGLE-3 head does not implement")
     out = {**layer, "architectures": ["LlamaForCausalLMEagle3"],
            "norm_before_residual": raw.get("norm_before_residual", True)}
-    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "eagle_config"):
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "eagle_config",
+                *EAGLE31_FLAGS):
         if raw.get(key) is not None:
             out[key] = raw[key]
     return out
@@ -138,6 +136,20 @@ def _aux_layers(raw: dict, file: Path, n: int):
     return [j - 1 for j in aux]
 
 
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def _flag(raw: dict, file: Path, name: str) -> bool:
+    """An EAGLE-3.1 switch: at the top level (speculators) or in eagle_config (NVIDIA's heads); false when absent."""
+    eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    value = raw[name] if raw.get(name) is not None else eagle_config.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{file}: field '{name}' is {value!r}; expected true or false")
+    return value
+
+
 def _use_aux_hidden_state(raw: dict, file: Path) -> bool:
     """`eagle_config.use_aux_hidden_state` (sglang and vLLM read it there; default true): false for a head
     trained on the target's final hidden (NVIDIA Model Optimizer's *-Eagle3-v2 heads)."""
@@ -205,13 +217,13 @@ def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Hea
             raise CheckpointError(f"{file}: field 'eagle_config.use_aux_hidden_state' is false, so the head reads the "
                                   f"target's final hidden without an fc projection, but its hidden_size is "
                                   f"{cfg.hidden_size} and the target's {tc.hidden_size}")
-        for n in [n for n in tensors if n.startswith("fc.")]:
+        for n in [n for n in tensors if n.startswith(("fc.", "fc_norm.", "input_norm."))]:
             del tensors[n]
     with torch.device("meta"):
         head = Eagle3Head(cfg, target, draft_vocab_size=vd, target_hidden_size=th, aux_layers=aux,
                           fc_bias="fc.bias" in tensors, own_embed=own_embed,
                           norm_before_residual=bool(raw.get("norm_before_residual", False)),
-                          use_aux_hidden_state=use_aux)
+                          use_aux_hidden_state=use_aux, **{f: _flag(raw, file, f) for f in EAGLE31_FLAGS})
     fields = _fields(raw, cfg, draft_vocab_size=vd, target_hidden_size=th)
     what = f"EAGLE-3 head (aux layers {head.aux_layers})" if use_aux else \
         "EAGLE-3 head (use_aux_hidden_state false: no fc)"

@@ -141,6 +141,10 @@ def save_eagle(head: nn.Module, folder: str | Path, dtype=None) -> Path:
             config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in head.aux_layers]
         if head.midlayer.norm_before_residual:
             config["norm_before_residual"] = True
+        for flag, on in (("norm_before_fc", head.input_norm is not None), ("fc_norm", head.fc_norm is not None),
+                         ("norm_output", head.norm_output)):
+            if on:
+                config[flag] = True
     else:
         config = config_to_hf(cfg)
         config.update(num_hidden_layers=len(head.layers), bias=head.fc.bias is not None)

@@ -190,7 +190,7 @@ def test_speculators_format_loads_like_the_eagle_layout(setup, tmp_path):
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(6))
     aux = ref.capture(target, ids)[1]
     assert torch.equal(head.logits(head(ids, aux)), ref.logits(ref(ids, aux)))
-    with pytest.raises(CheckpointError, match="norm_before_fc"):
+    with pytest.raises(CheckpointError, match="input_norm.weight' is missing"):  # norm_before_fc needs its norm
         load_draft(_write(tmp_path / "fc", {**spec, "norm_before_fc": True}, renamed), target)
     with pytest.raises(CheckpointError, match="speculators-format head of type 'mlp_speculator'"):
         load_draft(_write(tmp_path / "mlp", {**spec, "speculators_model_type": "mlp_speculator"}, renamed), target)
@@ -312,3 +312,39 @@ def _reference_layer(x, w, cos, sin):
     x = x + a.transpose(1, 2).reshape(B, Q, HEADS * HD) @ w["self_attn.o_proj.weight"].T
     m = rms(x, w["post_attention_layernorm.weight"])
     return x + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("where", ["top", "eagle_config"])
+def test_eagle3_1_norms_apply_as_their_flags_say(setup, tmp_path, where):
+    """EAGLE-3.1 / NVIDIA heads: norm_before_fc (one RMSNorm `input_norm` over the concatenated aux hidden before
+    fc), fc_norm (an RMSNorm per aux layer, `fc_norm.i`) and norm_output (the next step reads the final norm's
+    output, which the lm_head takes as is). The flags sit at the top (speculators) or in eagle_config (NVIDIA).
+    norm_before_fc was refused and the other two were ignored: a head trained with them drafted garbage."""
+    target, _, sd = setup
+    g = torch.Generator().manual_seed(9)
+    norms = {"input_norm.weight": (1 + 0.2 * torch.randn(3 * H, generator=g)).to(torch.bfloat16),
+             **{f"fc_norm.{i}.weight": (1 + 0.2 * torch.randn(H, generator=g)).to(torch.bfloat16) for i in range(3)}}
+    flags = {"norm_before_fc": True, "fc_norm": True, "norm_output": True}
+    config = {**_config(), **flags} if where == "top" else \
+        {**_config(), "eagle_config": {**_config()["eagle_config"], **flags}}
+    head = load_draft(_write(tmp_path / "h", config, {**sd, **norms}), target)
+    plain = load_draft(_write(tmp_path / "plain", _config(), sd), target)
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(10))
+    aux = head.capture(target, ids)[1]
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()  # noqa: E731
+    per_layer = torch.cat([rms(aux[..., i * H:(i + 1) * H], norms[f"fc_norm.{i}.weight"]) for i in range(3)], -1)
+    fused = rms(per_layer, norms["input_norm.weight"]) @ sd["fc.weight"].float().T
+    mid = plain.midlayer(plain.embed(ids), fused, *plain.rotary(torch.arange(5)[None], fused.dtype), None, None)
+    out = head(ids, aux)
+    assert (out - plain.norm(mid)).abs().max() < 1e-4  # norm_output: the step's hidden is the normed one
+    assert torch.equal(head.draft_logits(out), head.lm_head(out))  # and the lm_head takes it without a second norm
+    assert (head(ids, out) - plain.norm(plain.midlayer(plain.embed(ids), out, *plain.rotary(
+        torch.arange(5)[None], out.dtype), None, None))).abs().max() < 1e-4  # later steps skip fc and its norms
+    save_eagle(head, tmp_path / "saved", dtype="float32")
+    again = load_draft(tmp_path / "saved", target)
+    assert (again(ids, aux) - out).abs().max() < 1e-6
+    with pytest.raises(CheckpointError, match="'fc_norm.0.weight' is missing"):
+        load_draft(_write(tmp_path / "missing", config, sd), target)
+    with pytest.raises(CheckpointError, match="'norm_output' is 'yes'; expected true or false"):
+        load_draft(_write(tmp_path / "bad", {**_config(), "norm_output": "yes"}, sd), target)
