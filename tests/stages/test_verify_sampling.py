@@ -223,10 +223,14 @@ def test_stage_branches():
 
 
 def _nucleus_reference(p: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Brute force over float64: token i stays when the tokens strictly more likely hold less than top_p of
-    the mass (ties stay or go together), and the most likely always stays."""
+    """The definition, in float64: token i stays when the tokens strictly more likely hold less than top_p of
+    the mass (ties stay or go together), and the most likely always stays. (The mass above each token comes
+    from one descending sort: a [V, V] brute force took minutes at V=20000.)"""
     x = p.double()
-    above = (x[None, :] * (x[None, :] > x[:, None])).sum(-1)
+    d = x.sort(descending=True).values
+    before = torch.cat((d.new_zeros(1), d.cumsum(0)))  # before[k]: the mass of the k most likely
+    more = x.numel() - torch.searchsorted(d.flip(0), x, right=True)  # how many are strictly more likely
+    above = before[more]
     return ((above < top_p * x.sum()) & (x > 0)) | (x == x.max())
 
 
