@@ -19,8 +19,13 @@ def interrupted_sweep() -> str:
     if RUNNING:
         where = f" in job {RUNNING['num']} ({RUNNING['dir']})"
         again = f"resume=true hydra.sweep.dir={RUNNING['sweep_dir']}"
-    else:  # a launcher's worker processes run the jobs
-        where, again = "", "resume=true and hydra.sweep.dir set to this sweep's folder"
+    else:  # a launcher's worker processes run the jobs; the sweep's callback saw its folder here
+        from specpipe.sweep import STARTED_SWEEP
+
+        folder = STARTED_SWEEP.get("dir")
+        where = f" ({folder})" if folder else ""
+        again = f"resume=true hydra.sweep.dir={folder}" if folder else \
+            "resume=true and hydra.sweep.dir set to this sweep's folder"
     return (f"specpipe: sweep interrupted{where}; finished jobs keep their files (the interrupted one has no "
             f"metrics.json); run the same command again with {again} to skip the finished jobs and go on")
 

@@ -406,6 +406,9 @@ def file_clock(folder: Path) -> float:
         return time.time() - 1.0
 
 
+STARTED_SWEEP: dict = {}  # the folder of the sweep this process started (set where the sweep runs, not in a worker)
+
+
 class SweepSummary(Callback):
     """Hydra callback for multiruns (conf/config.yaml: hydra.callbacks.sweep_summary), with any launcher.
 
@@ -421,7 +424,8 @@ class SweepSummary(Callback):
         self.started = time.time()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.started = file_clock(Path(str(config.hydra.sweep.dir)))
+        STARTED_SWEEP["dir"] = str(config.hydra.sweep.dir)  # where Ctrl-C sends the user back to (any launcher)
+        self.started = file_clock(Path(STARTED_SWEEP["dir"]))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus

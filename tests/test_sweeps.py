@@ -356,3 +356,25 @@ def test_resume_runs_a_job_again_when_its_prompts_file_was_rewritten(tmp_path, c
     stored["prompts_sha256"] = "0" * 64
     (out / "metrics.json").write_text(json.dumps(stored))
     assert finished_metrics(cfg, str(out)) is None  # standard input cannot be compared: the job runs again
+
+
+def test_ctrl_c_under_joblib_names_the_sweep_folder(tmp_path):
+    """With hydra/launcher=joblib the jobs run in worker processes, so the process the user stops never knew the
+    folder (its default name is a timestamp): the message said "set hydra.sweep.dir to this sweep's folder"
+    without naming it."""
+    args = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "workload.max_new_tokens=3000,2999",
+            "model=random_tiny", "model.max_position=4096", "workload.num_prompts=1"]  # (n_jobs=1 runs in process)
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "specpipe", *args], cwd=tmp_path, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=default_sigint)
+        deadline = time.monotonic() + 180
+        while len(list(tmp_path.glob("multirun/*/*/*/.hydra/overrides.yaml"))) < 2:  # both workers' jobs started
+            assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before both jobs started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    err = (tmp_path / "stderr.txt").read_text()
+    sweep = next(tmp_path.glob("multirun/*/*/1")).parent.relative_to(tmp_path)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert f"specpipe: sweep interrupted ({sweep})" in err and f"resume=true hydra.sweep.dir={sweep}" in err, err
