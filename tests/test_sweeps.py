@@ -111,23 +111,30 @@ def test_resume_reruns_only_unfinished_jobs(tmp_path):
     assert (sweep / "2" / "error.json").stat().st_mtime_ns > failed_at  # a failed job is retried
 
 
+def _interrupt_when(args, cwd, tmp_path, ready, limit: float = 180) -> tuple[int, str]:
+    """Start `python -m specpipe *args` in cwd, send it SIGINT (as Ctrl-C does) half a second after ready() holds;
+    (exit status, stderr)."""
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "specpipe", *args], cwd=cwd, env=ENV,
+                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=default_sigint)
+        deadline = time.monotonic() + limit
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before the point to stop it"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    return proc.returncode, (tmp_path / "stderr.txt").read_text()
+
+
 @pytest.mark.slow
 def test_ctrl_c_keeps_finished_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "workload.max_new_tokens=8,3000", "model=random_tiny", "model.max_position=4096",
             "workload.num_prompts=1", f"hydra.sweep.dir={sweep}"]
-    with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "specpipe", *args], cwd=ROOT, env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=default_sigint)
-        deadline = time.monotonic() + 120
-        while not (sweep / "1" / ".hydra" / "overrides.yaml").exists():  # job 0 done, job 1 (~10 s) started
-            assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before job 1 started"
-            time.sleep(0.05)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-    err = (tmp_path / "stderr.txt").read_text()
-    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]  # one paragraph, as a single run's
+    # job 0 done, job 1 (~10 s) started
+    returncode, err = _interrupt_when(args, ROOT, tmp_path, lambda: (sweep / "1" / ".hydra" / "overrides.yaml").exists())
+    assert returncode == 130 and "Traceback" not in err, err[-2000:]  # one paragraph, as a single run's
     assert f"specpipe: sweep interrupted in job 1 ({sweep}/1)" in err and f"resume=true hydra.sweep.dir={sweep}" in err
     assert metrics(sweep, 0)["generated_tokens"] == 8 and (sweep / "0" / "completions.jsonl").is_file()
     assert not (sweep / "1" / "metrics.json").exists()  # the interrupted job does not look finished
@@ -364,17 +371,8 @@ def test_ctrl_c_under_joblib_names_the_sweep_folder(tmp_path):
     without naming it."""
     args = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "workload.max_new_tokens=3000,2999",
             "model=random_tiny", "model.max_position=4096", "workload.num_prompts=1"]  # (n_jobs=1 runs in process)
-    with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "specpipe", *args], cwd=tmp_path, env=ENV,
-                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=default_sigint)
-        deadline = time.monotonic() + 180
-        while len(list(tmp_path.glob("multirun/*/*/*/.hydra/overrides.yaml"))) < 2:  # both workers' jobs started
-            assert proc.poll() is None and time.monotonic() < deadline, "sweep ended before both jobs started"
-            time.sleep(0.05)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    err = (tmp_path / "stderr.txt").read_text()
+    returncode, err = _interrupt_when(  # both workers' jobs started
+        args, tmp_path, tmp_path, lambda: len(list(tmp_path.glob("multirun/*/*/*/.hydra/overrides.yaml"))) >= 2)
     sweep = next(tmp_path.glob("multirun/*/*/1")).parent.relative_to(tmp_path)
-    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert returncode == 130 and "Traceback" not in err, err[-2000:]
     assert f"specpipe: sweep interrupted ({sweep})" in err and f"resume=true hydra.sweep.dir={sweep}" in err, err
