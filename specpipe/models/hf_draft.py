@@ -139,25 +139,16 @@ def _aux_layers(raw: dict, file: Path, n: int):
 EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
-def _flag(raw: dict, file: Path, name: str) -> bool:
-    """An EAGLE-3.1 switch: at the top level (speculators) or in eagle_config (NVIDIA's heads); false when absent."""
+def _flag(raw: dict, file: Path, name: str, default: bool = False, top_level: bool = True) -> bool:
+    """A boolean head switch: at the top level (speculators; only where `top_level`) or in eagle_config (sglang,
+    vLLM and NVIDIA's heads read it there); `default` when absent."""
     eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
-    value = raw[name] if raw.get(name) is not None else eagle_config.get(name)
+    key, value = (name, raw[name]) if top_level and raw.get(name) is not None else \
+        (f"eagle_config.{name}", eagle_config.get(name))
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
-        raise CheckpointError(f"{file}: field '{name}' is {value!r}; expected true or false")
-    return value
-
-
-def _use_aux_hidden_state(raw: dict, file: Path) -> bool:
-    """`eagle_config.use_aux_hidden_state` (sglang and vLLM read it there; default true): false for a head
-    trained on the target's final hidden (NVIDIA Model Optimizer's *-Eagle3-v2 heads)."""
-    eagle_config = raw.get("eagle_config")
-    value = eagle_config.get("use_aux_hidden_state", True) if isinstance(eagle_config, dict) else True
-    if not isinstance(value, bool):
-        raise CheckpointError(f"{file}: field 'eagle_config.use_aux_hidden_state' is {value!r}; expected true (the "
-                              f"head reads aux layers through fc) or false (it reads the target's final hidden)")
+        raise CheckpointError(f"{file}: field '{key}' is {value!r}; expected true or false")
     return value
 
 
@@ -208,7 +199,8 @@ def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Hea
     if "lm_head.weight" not in tensors and vd == cfg.vocab_size:
         tensors["lm_head.weight"] = target.lm_head.weight.detach().to("cpu", dtype)  # lm_head shared
     _vocab_maps(raw, file, cfg, tensors, origin, vd)
-    use_aux = _use_aux_hidden_state(raw, file)
+    # false: a head trained on the target's final hidden (NVIDIA Model Optimizer's *-Eagle3-v2 heads)
+    use_aux = _flag(raw, file, "use_aux_hidden_state", default=True, top_level=False)
     if use_aux:
         aux = _aux_layers(raw, file, tc.num_hidden_layers)
     else:  # the target's final hidden goes in as is, so the widths must agree; an fc saved anyway is unused (vLLM)

@@ -36,6 +36,11 @@ def _eagle3_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}  # stored as bf16
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm by hand (eps 1e-5, the configs' rms_norm_eps)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+
+
 def _config() -> dict:
     return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "vocab_size": V,
             "draft_vocab_size": VD, "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV,
@@ -85,19 +90,18 @@ def test_single_token_matches_reference(setup):
     target, folder, sd = setup
     head = load_draft(folder, target)
     w = {k: v.float() for k, v in sd.items()}
-    rms = lambda x, g: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * g  # noqa: E731
     tok = torch.tensor([[5]])
     aux = torch.randn(1, 1, 3 * H, generator=torch.Generator().manual_seed(2))
     h = aux @ w["fc.weight"].T
-    x = torch.cat((rms(target.embed_tokens(tok), w["midlayer.input_layernorm.weight"]),
-                   rms(h, w["midlayer.hidden_norm.weight"])), -1)
+    x = torch.cat((_rms(target.embed_tokens(tok), w["midlayer.input_layernorm.weight"]),
+                   _rms(h, w["midlayer.hidden_norm.weight"])), -1)
     v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(1, 1, KV, HD).repeat_interleave(HEADS // KV, 2)
     h = h + v.reshape(1, 1, HEADS * HD) @ w["midlayer.self_attn.o_proj.weight"].T
-    m = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    m = _rms(h, w["midlayer.post_attention_layernorm.weight"])
     h = h + (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
         @ w["midlayer.mlp.down_proj.weight"].T
     assert (head(tok, aux) - h).abs().max() < 1e-4
-    ref = rms(h, w["norm.weight"]) @ w["lm_head.weight"].T  # [1, 1, VD]
+    ref = _rms(h, w["norm.weight"]) @ w["lm_head.weight"].T  # [1, 1, VD]
     assert torch.equal(head.logits(head(tok, aux))[0, 0].argmax(), ref[0, 0].argmax() + sd["d2t"][ref[0, 0].argmax()])
 
 
@@ -299,9 +303,8 @@ def test_a_head_of_several_layers_runs_them_all(setup, tmp_path):
 
 def _reference_layer(x, w, cos, sin):
     """A Llama decoder layer by hand (attention through F.scaled_dot_product_attention, causal)."""
-    rms = lambda t, g: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * g  # noqa: E731
     B, Q, _ = x.shape
-    h = rms(x, w["input_layernorm.weight"])
+    h = _rms(x, w["input_layernorm.weight"])
     q = (h @ w["self_attn.q_proj.weight"].T).view(B, Q, HEADS, HD)
     k = (h @ w["self_attn.k_proj.weight"].T).view(B, Q, KV, HD)
     v = (h @ w["self_attn.v_proj.weight"].T).view(B, Q, KV, HD)
@@ -310,7 +313,7 @@ def _reference_layer(x, w, cos, sin):
     k, v = k.repeat_interleave(HEADS // KV, 2), v.repeat_interleave(HEADS // KV, 2)
     a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
     x = x + a.transpose(1, 2).reshape(B, Q, HEADS * HD) @ w["self_attn.o_proj.weight"].T
-    m = rms(x, w["post_attention_layernorm.weight"])
+    m = _rms(x, w["post_attention_layernorm.weight"])
     return x + (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
 
 
@@ -332,9 +335,8 @@ def test_eagle3_1_norms_apply_as_their_flags_say(setup, tmp_path, where):
     plain = load_draft(_write(tmp_path / "plain", _config(), sd), target)
     ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(10))
     aux = head.capture(target, ids)[1]
-    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()  # noqa: E731
-    per_layer = torch.cat([rms(aux[..., i * H:(i + 1) * H], norms[f"fc_norm.{i}.weight"]) for i in range(3)], -1)
-    fused = rms(per_layer, norms["input_norm.weight"]) @ sd["fc.weight"].float().T
+    per_layer = torch.cat([_rms(aux[..., i * H:(i + 1) * H], norms[f"fc_norm.{i}.weight"]) for i in range(3)], -1)
+    fused = _rms(per_layer, norms["input_norm.weight"]) @ sd["fc.weight"].float().T
     mid = plain.midlayer(plain.embed(ids), fused, *plain.rotary(torch.arange(5)[None], fused.dtype), None, None)
     out = head(ids, aux)
     assert (out - plain.norm(mid)).abs().max() < 1e-4  # norm_output: the step's hidden is the normed one
