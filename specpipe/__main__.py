@@ -74,10 +74,15 @@ def hydra_main(cfg: DictConfig) -> float:
     # a sweep's job writes here now: nothing an earlier sweep left in its folder may pass for this job's results if
     # it fails or is stopped (resume=true would skip it as finished). A single run sets earlier results aside only
     # once it starts writing its own (run() does), so one refused by a check against the model loses nothing.
+    stopped = None
     if multirun:
+        if cfg.resume:  # a stopped run's finished requests, read before they are set aside: only the rest decode
+            from specpipe.resume import read_partial
+
+            stopped = read_partial(out_dir)
         clear_outputs(out_dir)
     try:
-        result = run(cfg, out_dir=out_dir, overrides=overrides)
+        result = run(cfg, out_dir=out_dir, overrides=overrides, earlier=stopped)
     except KeyboardInterrupt:
         if multirun:  # Ctrl-C ends the whole sweep (finished jobs keep their files)
             raise
@@ -86,7 +91,8 @@ def hydra_main(cfg: DictConfig) -> float:
         partial = Path(out_dir) / PartialCompletions.NAME
         if partial.is_file():
             print(f"specpipe: interrupted; the requests that had finished are in {partial} (in the order they "
-                  f"finished; no metrics.json was written)", file=sys.stderr)
+                  f"finished; no metrics.json was written). To decode only the others, run the same command with "
+                  f"resume=true hydra.run.dir={out_dir}", file=sys.stderr)
         else:  # stopped before decoding began (loading the model, reading the prompts)
             print("specpipe: interrupted before decoding began; nothing was written", file=sys.stderr)
         sys.exit(130)

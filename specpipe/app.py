@@ -17,6 +17,7 @@ from specpipe.metrics import Metrics, recompile_count, recompile_limit_hits
 from specpipe.models.llama import fuse_projections
 from specpipe.errors import ConfigError
 from specpipe.pipeline import PlainPipeline, Request
+from specpipe.resume import META, PARTIAL, carry_finished, partial_meta, read_partial
 from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
@@ -474,11 +475,14 @@ def leaked_slots(allocator) -> int:
 
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
         items: Optional[list[dict]] = None, on_step=None, keep: Optional[dict] = None,
-        overrides: Optional[list] = None) -> dict:
+        overrides: Optional[list] = None, earlier=None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
     `on_step(requests)` is called after every decode step (see `run_requests`). `overrides`: the command line's
-    (a sweep job's point), recorded in metrics.json so a report tells jobs apart without Hydra's .hydra folder. `keep`: a dict the caller carries
-    from one run to the next (the API's calls), so state meant to outlive a run (the suffix cache) does.
+    (a sweep job's point), recorded in metrics.json so a report tells jobs apart without Hydra's .hydra folder.
+    `keep`: a dict the caller carries from one run to the next (the API's calls), so state meant to outlive a run
+    (the suffix cache) does. With `cfg.resume`, the requests that a stopped run in out_dir finished are taken from
+    its partial file and only the rest decode (`earlier`: `resume.read_partial`'s, from a caller that sets the
+    folder's files aside before the run; read here otherwise).
 
     Decoding never touches torch's global random stream, which is the caller's (a training loop's dropout and
     shuffling; a stream decodes in a thread beside it): sampling draws per-request coins from `cfg.seed`."""
@@ -488,6 +492,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     validate(cfg)
     if out_dir is not None:
         check_output_names(Path(out_dir))
+        if earlier is None and cfg.resume:
+            earlier = read_partial(out_dir)
     if items is None:
         items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
     device = build(cfg.device, "device")
@@ -502,6 +508,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
                          sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
+    resumed = carry_finished(earlier if cfg.resume else None, job_cfg, items, reqs, pair.target.config.vocab_size)
     ignored = ignored_fields(items)
     drafting = drafting_models(cfg, pair)
     try:
@@ -540,9 +547,10 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
             from specpipe.sweep import clear_outputs
 
             clear_outputs(out_dir)
-        partial = PartialCompletions(Path(out_dir), pair.tokenizer) if out_dir is not None else None
+        partial = PartialCompletions(Path(out_dir), pair.tokenizer, partial_meta(job_cfg, items)) \
+            if out_dir is not None else None
         if partial is not None:
-            partial.write([r for r in reqs if r.finished])  # bad prompts: failed before the run
+            partial.write([r for r in reqs if r.finished])  # bad prompts, and those a resumed run carried over
         if on_step is not None and any(r.finished for r in reqs):
             on_step([r for r in reqs if r.finished])  # streams hear of them now, not after all decoding
         wall = run_requests(pipe, reqs, batch, show_progress=None if not quiet else False,
@@ -579,6 +587,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     if getattr(pipe, "unapplied_policies", None):
         summary["unapplied_compile_policies"] = pipe.unapplied_policies
     summary["num_requests"] = len(reqs)
+    summary["resumed_requests"] = resumed  # finished by the stopped run resume=true continued; not decoded here
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]
     from specpipe.autotune import collect_decisions
@@ -638,9 +647,9 @@ class PartialCompletions:
     """completions.partial.jsonl: each request's record as soon as it finishes (finish order), flushed, so
     Ctrl-C, a crash or a kill loses no finished request. The ordered completions.jsonl replaces it at the end."""
 
-    NAME = "completions.partial.jsonl"
+    NAME = PARTIAL
 
-    def __init__(self, out: Path, tokenizer):
+    def __init__(self, out: Path, tokenizer, meta: Optional[dict] = None):
         self.path, self.tokenizer, self.f = out / self.NAME, tokenizer, None
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -648,6 +657,14 @@ class PartialCompletions:
         except OSError as e:  # as a failed write: the decoding goes on, the end says what could not be kept
             print(f"specpipe: warning: cannot write {self.path} ({e.strerror or e}); decoding goes on without it",
                   file=sys.stderr)
+            return
+        if meta is not None:  # what resume=true checks before it takes these records (without it: none taken)
+            try:
+                tmp = out / (META + ".tmp")
+                tmp.write_text(json.dumps(meta), encoding="utf-8")
+                os.replace(tmp, out / META)
+            except OSError:
+                pass
 
     def write(self, reqs: list[Request]) -> None:
         if self.f is None:
@@ -689,6 +706,7 @@ def write_outputs(out: Path, summary: dict, reqs: list[Request], tokenizer) -> N
         raise
     os.replace(done, out / "completions.jsonl")
     os.replace(tmp, out / "metrics.json")
-    partial = out / PartialCompletions.NAME
-    if not partial.is_dir():  # (a folder of that name was never ours: the run went on without the file)
-        partial.unlink(missing_ok=True)  # completions.jsonl holds all of it, in order
+    for name in (PartialCompletions.NAME, META):
+        partial = out / name
+        if not partial.is_dir():  # (a folder of that name was never ours: the run went on without the file)
+            partial.unlink(missing_ok=True)  # completions.jsonl holds all of it, in order

@@ -29,7 +29,8 @@ from specpipe.sweep import NOT_RUN_KEYS, finite, metrics_problem, objective, rea
 
 METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_verify_steps", "recompiles", "wall_s")
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
-UNFINISHED = "unfinished: no metrics.json (interrupted, killed or still running; resume=true re-runs it)"
+UNFINISHED = ("unfinished: no metrics.json (interrupted, killed or still running; resume=true runs the requests it "
+              "had not finished)")
 RERUN = "resume=true re-runs it"
 STRAY = ("not the newest sweep's point for its job number (multirun.yaml): most likely an earlier sweep's job that "
          "the newest one, stopped, did not reach; not ranked (--all ranks every job)")

@@ -272,7 +272,7 @@ class Config:
     workload: Any = MISSING
     sampling: SamplingConf = field(default_factory=SamplingConf)
     seed: int = 0
-    resume: bool = False  # skip a job whose output dir already holds metrics.json from the same config
+    resume: bool = False  # skip a job whose output dir holds metrics.json from the same config; a stopped one decodes only the requests it had not finished
     latency_limit_ms: Optional[float] = None  # sweep objective: runs whose p90 step latency exceeds it score < 0
     # time model forwards with the device synchronized around each (stage_model_ms / stage_host_ms); false skips
     # those syncs, so on an accelerator the host queues the next stage's work while the device runs (the split is

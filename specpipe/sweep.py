@@ -303,9 +303,9 @@ def clear_error(out_dir: str) -> None:
 
 
 RUN_OUTPUTS = ("metrics.json", "metrics.json.tmp", "completions.jsonl", "completions.jsonl.tmp",
-               "completions.partial.jsonl", "error.json")
+               "completions.partial.jsonl", "completions.partial.meta.json", "error.json")
 # an earlier run's results (the partial file: an interrupted run's finished requests): set aside as NAME.prev
-KEPT_OUTPUTS = ("metrics.json", "completions.jsonl", "completions.partial.jsonl")
+KEPT_OUTPUTS = ("metrics.json", "completions.jsonl", "completions.partial.jsonl", "completions.partial.meta.json")
 
 
 def clear_outputs(out_dir: str) -> None:

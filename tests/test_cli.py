@@ -147,3 +147,5 @@ def test_ctrl_c_names_the_partial_file_only_when_there_is_one(tmp_path, monkeypa
         entry.main()
     err = capsys.readouterr().err
     assert e.value.code == 130 and ("completions.partial.jsonl" in err) == decoding, err
+    # (and how to decode only the requests that had not finished)
+    assert (f"run the same command with resume=true hydra.run.dir={tmp_path / 'run'}" in err) == decoding, err

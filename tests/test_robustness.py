@@ -360,8 +360,8 @@ def test_a_full_disk_loses_no_decoding_and_says_what_was_not_kept(tmp_path, pair
 
     real_init = app.PartialCompletions.__init__
 
-    def full_partial(self, out, tokenizer):
-        real_init(self, out, tokenizer)
+    def full_partial(self, out, tokenizer, *meta):
+        real_init(self, out, tokenizer, *meta)
         self.f.close()
         self.f = FullFile()
 
