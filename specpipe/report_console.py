@@ -40,6 +40,7 @@ def print_summary(m: dict, out_dir: Optional[str]) -> None:
     al = m["accept_length_mean"]
     rows = [
         ("requests (errors)", f"{m['num_requests']} ({m['num_errors']})"),
+        *([("  finished before resume", str(m["resumed_requests"]))] if m.get("resumed_requests") else []),
         ("generated tokens", str(m["generated_tokens"])),
         ("wall time", f"{m['wall_s']:.2f} s"),
         ("tokens/s", f"{m['tokens_per_s']:.1f}"),

@@ -57,3 +57,11 @@ def test_a_recompile_limit_hit_is_shown_beside_recompiles(capsys):
     print_summary({**m, "recompile_limit_hits": 2}, None)
     out = capsys.readouterr().out
     assert "recompile limit hit 2x" in out and "eager)" in out
+
+
+def test_requests_a_resumed_run_took_from_the_stopped_one_are_counted_apart(capsys):
+    m = metrics({"method": "none", "topk": 1, "num_steps": 1, "num_draft_tokens": 2})
+    print_summary(m, None)
+    assert "before resume" not in capsys.readouterr().out
+    print_summary({**m, "resumed_requests": 7}, None)
+    assert any("finished before resume" in line and "7" in line for line in capsys.readouterr().out.splitlines())

@@ -180,3 +180,24 @@ def test_a_sweep_job_stopped_part_way_continues_from_its_finished_requests(tmp_p
     assert m["generated_tokens"] == sum(len(r["output_ids"]) for r in done[:3])
     assert records(job / "completions.jsonl") == done
     assert (job / (PARTIAL + ".prev")).is_file()  # what it continued from is set aside, not deleted
+
+
+def test_a_run_stopped_after_its_last_request_finished_decodes_nothing(tmp_path, pair, capsys):
+    """Stopped while its outputs were written: every request is in the partial file, nothing is left to decode, and
+    the run still ends with its ordered completions.jsonl and a metrics.json that reads as finished."""
+    from specpipe.sweep import metrics_problem
+
+    path = prompts(tmp_path)
+    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    out = tmp_path / "run"
+    m = run(compose(*args), out_dir=str(out), quiet=True, pair=pair)["metrics"]
+    done = records(out / "completions.jsonl")
+    os.replace(out / "completions.jsonl", out / PARTIAL)
+    (out / META).write_text(json.dumps({"config": m["config"], "prompts_sha256": m["prompts_sha256"]}))
+    (out / "metrics.json").unlink()
+    capsys.readouterr()
+    again = run(compose(*args, "resume=true"), out_dir=str(out), quiet=False, pair=pair)["metrics"]
+    err = capsys.readouterr().err
+    assert "12 of 13 requests had finished" in err and "nothing is left to decode" in err, err
+    assert again["resumed_requests"] == 12 and again["generated_tokens"] == 0
+    assert records(out / "completions.jsonl") == done and metrics_problem(again) is None
