@@ -508,7 +508,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
                          sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
-    resumed = carry_finished(earlier if cfg.resume else None, job_cfg, items, reqs, pair.target.config.vocab_size)
+    carried = carry_finished(earlier if cfg.resume else None, job_cfg, items, reqs, pair.target.config.vocab_size)
     ignored = ignored_fields(items)
     drafting = drafting_models(cfg, pair)
     try:
@@ -540,6 +540,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
         if cfg.get("model_timing", True):
             metrics.attach_model_timer(models, device.synchronize)
         pipe = build_pipeline(cfg, device, pair, allocator, reqs, metrics, keep)
+        if carried and getattr(pipe, "proposer", None) is not None:  # draft=suffix: its cache drafts from them
+            pipe.proposer.finish(carried)  # as it would have in the run that was stopped
         if pipe.compiled_model:
             device.freeze_weight_layouts(models)  # later runs on these weights keep the strides compiled for
         compiles_before, limits_before = recompile_count(), recompile_limit_hits()
@@ -587,7 +589,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     if getattr(pipe, "unapplied_policies", None):
         summary["unapplied_compile_policies"] = pipe.unapplied_policies
     summary["num_requests"] = len(reqs)
-    summary["resumed_requests"] = resumed  # finished by the stopped run resume=true continued; not decoded here
+    summary["resumed_requests"] = len(carried)  # finished by the stopped run resume=true continued; not decoded here
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]
     from specpipe.autotune import collect_decisions

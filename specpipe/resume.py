@@ -74,16 +74,17 @@ def _usable(rec: dict, r, vocab_size: int) -> bool:
 
 
 def carry_finished(earlier: Optional[EarlierRun], job_cfg: DictConfig, items: list, reqs: list,
-                   vocab_size: int) -> int:
-    """Mark the requests the stopped run finished as finished, with its outputs; how many. Nothing is taken
-    (and stderr says why) when the records came from another config or other prompts. A request that failed
-    (finish_reason "error") runs again."""
+                   vocab_size: int) -> list:
+    """Mark the requests the stopped run finished as finished, with its outputs; those requests, in the order
+    they finished (a cross-request draft cache takes them in that order). Nothing is taken (and stderr says why)
+    when the records came from another config or other prompts. A request that failed (finish_reason "error")
+    runs again."""
     if earlier is None:
-        return 0
+        return []
     where = earlier.folder
     if earlier.problem is not None:
         print(f"resume: {where}: {earlier.problem}, so every request runs again", file=sys.stderr)
-        return 0
+        return []
     from specpipe.sweep import _same_run, prompts_digest
     from specpipe.validate import to_container
 
@@ -91,12 +92,12 @@ def carry_finished(earlier: Optional[EarlierRun], job_cfg: DictConfig, items: li
     if not isinstance(stored, dict) or not _same_run(stored, to_container(job_cfg), job_cfg):
         print(f"resume: {where}: {PARTIAL} came from a run with other settings, so every request runs again",
               file=sys.stderr)
-        return 0
+        return []
     if earlier.meta.get("prompts_sha256") != prompts_digest(items):
         print(f"resume: {where}: {PARTIAL} came from a run of other prompts, so every request runs again",
               file=sys.stderr)
-        return 0
-    carried = 0
+        return []
+    carried = []
     for rec in earlier.records:
         i = rec.get("index")
         if type(i) is not int or not 0 <= i < len(reqs) or reqs[i].finished or not _usable(rec, reqs[i], vocab_size):
@@ -104,8 +105,8 @@ def carry_finished(earlier: Optional[EarlierRun], job_cfg: DictConfig, items: li
         r = reqs[i]
         r.output_ids, r.finish_reason = list(rec["output_ids"]), rec["finish_reason"]
         r.logprobs = rec.get("logprobs")
-        carried += 1
+        carried.append(r)
     left = sum(not r.finished for r in reqs)
-    print(f"resume: {where}: {carried} of {len(reqs)} requests had finished ({PARTIAL}); "
+    print(f"resume: {where}: {len(carried)} of {len(reqs)} requests had finished ({PARTIAL}); "
           f"{'decoding the other ' + str(left) if left else 'nothing is left to decode'}", file=sys.stderr)
     return carried

@@ -201,3 +201,20 @@ def test_a_run_stopped_after_its_last_request_finished_decodes_nothing(tmp_path,
     assert "12 of 13 requests had finished" in err and "nothing is left to decode" in err, err
     assert again["resumed_requests"] == 12 and again["generated_tokens"] == 0
     assert records(out / "completions.jsonl") == done and metrics_problem(again) is None
+
+
+def test_a_resumed_suffix_run_drafts_from_the_outputs_the_stopped_run_finished(tmp_path, pair, monkeypatch):
+    """draft=suffix matches in a cache of finished requests' outputs: the carried requests join it first, as they
+    had in the run that was stopped, so the cache ends as an uninterrupted run's does."""
+    path = prompts(tmp_path)
+    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", "draft=suffix",
+            "workload.max_new_tokens=10", "workload.batch_size=3"]
+    full = run(compose(*args), quiet=True, pair=pair)["metrics"]
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        stop_after(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    m = run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
+    assert m["resumed_requests"] > 2 and m["draft_cache"] == full["draft_cache"]
+    assert full["draft_cache"]["texts_added"] == 12
