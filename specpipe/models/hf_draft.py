@@ -176,6 +176,13 @@ def _vocab_maps(raw, file, cfg, tensors, origin, vd: int) -> None:
 def _load_eagle3(raw, file, target, tensors, origin, device, dtype) -> Eagle3Head:
     """EAGLE-3: midlayer.* (layers.1.* ... for a head of several layers) + fc (3*Ht -> H) + norm + lm_head (draft
     vocab) + d2t / t2d."""
+    parallel = next((n for n in tensors if n.split(".")[-1] == "mask_hidden"), None)
+    if parallel is not None or raw.get("parallel_drafting") is True:  # P-EAGLE (vLLM >= 0.16 runs it)
+        why = f"tensor '{origin.get(parallel, (file, parallel))[1]}'" if parallel else "field 'parallel_drafting' true"
+        raise CheckpointError(f"{file}: a parallel-drafting (P-EAGLE) head ({why}): it was trained to draft all its "
+                              f"tokens in one forward, masked positions standing in for the hidden states it has not "
+                              f"seen, and specpipe drafts one step per forward, feeding each step's hidden to the next, "
+                              f"which such a head was not trained for; use an EAGLE-3 head of this target")
     cfg = parse_config(raw, file, draft=True)
     cfg.qk_norm = _has_qk_norm(tensors)
     _attention_biases(raw, cfg, tensors)

@@ -200,6 +200,21 @@ def test_speculators_format_loads_like_the_eagle_layout(setup, tmp_path):
         load_draft(_write(tmp_path / "mlp", {**spec, "speculators_model_type": "mlp_speculator"}, renamed), target)
 
 
+@pytest.mark.parametrize("how", ["tensor", "field"])
+def test_a_parallel_drafting_head_is_named_as_such(setup, tmp_path, how):
+    """P-EAGLE heads (vLLM's parallel drafting) carry a learned `mask_hidden`; drafting step by step would feed
+    them hidden states they were not trained on. It was refused as "unexpected tensor" with no hint why."""
+    target, _, sd = setup
+    config, tensors = _config(), dict(sd)
+    if how == "tensor":
+        tensors["mask_hidden"] = torch.zeros(1, len(AUX) * H)
+    else:
+        config["parallel_drafting"] = True
+    with pytest.raises(CheckpointError, match="parallel-drafting \\(P-EAGLE\\) head \\(" +
+                       ("tensor 'mask_hidden'" if how == "tensor" else "field 'parallel_drafting' true")):
+        load_draft(_write(tmp_path / "p", config, tensors), target)
+
+
 def test_a_wider_head_without_its_own_embeddings_is_named_as_such(setup, tmp_path):
     target, _, sd = setup
     with pytest.raises(CheckpointError, match="hidden_size' is 96 and the head has no embed_tokens.weight"):
