@@ -1,6 +1,7 @@
 """python -m specpipe [group=option ...] [key=value ...] [-m for sweeps]."""
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,16 +19,17 @@ def interrupted_sweep() -> str:
     """One paragraph for Ctrl-C during a sweep: what stopped, what is kept, how to go on."""
     if RUNNING:
         where = f" in job {RUNNING['num']} ({RUNNING['dir']})"
-        again = f"resume=true hydra.sweep.dir={RUNNING['sweep_dir']}"
+        again = "resume=true " + shlex.quote(f"hydra.sweep.dir={RUNNING['sweep_dir']}")
     else:  # a launcher's worker processes run the jobs; the sweep's callback saw its folder here
         from specpipe.sweep import STARTED_SWEEP
 
         folder = STARTED_SWEEP.get("dir")
         where = f" ({folder})" if folder else ""
-        again = f"resume=true hydra.sweep.dir={folder}" if folder else \
+        again = "resume=true " + shlex.quote(f"hydra.sweep.dir={folder}") if folder else \
             "resume=true and hydra.sweep.dir set to this sweep's folder"
     return (f"specpipe: sweep interrupted{where}; finished jobs keep their files (the interrupted one has no "
-            f"metrics.json); run the same command again with {again} to skip the finished jobs and go on")
+            f"metrics.json); run the same command again with {again} to skip the finished jobs and go on (the "
+            f"interrupted job keeps the requests it had finished)")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -74,15 +76,10 @@ def hydra_main(cfg: DictConfig) -> float:
     # a sweep's job writes here now: nothing an earlier sweep left in its folder may pass for this job's results if
     # it fails or is stopped (resume=true would skip it as finished). A single run sets earlier results aside only
     # once it starts writing its own (run() does), so one refused by a check against the model loses nothing.
-    stopped = None
-    if multirun:
-        if cfg.resume:  # a stopped run's finished requests, read before they are set aside: only the rest decode
-            from specpipe.resume import read_partial
-
-            stopped = read_partial(out_dir)
+    if multirun:  # (a stopped run's partial file is set aside as *.prev, where resume=true still reads it)
         clear_outputs(out_dir)
     try:
-        result = run(cfg, out_dir=out_dir, overrides=overrides, earlier=stopped)
+        result = run(cfg, out_dir=out_dir, overrides=overrides)
     except KeyboardInterrupt:
         if multirun:  # Ctrl-C ends the whole sweep (finished jobs keep their files)
             raise
@@ -92,7 +89,7 @@ def hydra_main(cfg: DictConfig) -> float:
         if partial.is_file():
             print(f"specpipe: interrupted; the requests that had finished are in {partial} (in the order they "
                   f"finished; no metrics.json was written). To decode only the others, run the same command with "
-                  f"resume=true hydra.run.dir={out_dir}", file=sys.stderr)
+                  f"resume=true {shlex.quote('hydra.run.dir=' + str(out_dir))}", file=sys.stderr)
         else:  # stopped before decoding began (loading the model, reading the prompts)
             print("specpipe: interrupted before decoding began; nothing was written", file=sys.stderr)
         sys.exit(130)

@@ -17,7 +17,8 @@ from specpipe.metrics import Metrics, recompile_count, recompile_limit_hits
 from specpipe.models.llama import fuse_projections
 from specpipe.errors import ConfigError
 from specpipe.pipeline import PlainPipeline, Request
-from specpipe.resume import META, PARTIAL, carry_finished, partial_meta, read_partial
+from specpipe.resume import META, PARTIAL, carry_finished, model_files_digest, model_folders, partial_meta, \
+    read_partial
 from specpipe.proposers import EagleProposer, NgramProposer, StandaloneProposer
 from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
@@ -475,14 +476,13 @@ def leaked_slots(allocator) -> int:
 
 def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pair=None,
         items: Optional[list[dict]] = None, on_step=None, keep: Optional[dict] = None,
-        overrides: Optional[list] = None, earlier=None) -> dict:
+        overrides: Optional[list] = None) -> dict:
     """Decode the workload's prompts (or `items`, as `load_prompts` returns them); {"metrics", "requests"}.
     `on_step(requests)` is called after every decode step (see `run_requests`). `overrides`: the command line's
     (a sweep job's point), recorded in metrics.json so a report tells jobs apart without Hydra's .hydra folder.
     `keep`: a dict the caller carries from one run to the next (the API's calls), so state meant to outlive a run
     (the suffix cache) does. With `cfg.resume`, the requests that a stopped run in out_dir finished are taken from
-    its partial file and only the rest decode (`earlier`: `resume.read_partial`'s, from a caller that sets the
-    folder's files aside before the run; read here otherwise).
+    its partial files (`specpipe.resume`) and only the rest decode.
 
     Decoding never touches torch's global random stream, which is the caller's (a training loop's dropout and
     shuffling; a stream decodes in a thread beside it): sampling draws per-request coins from `cfg.seed`."""
@@ -492,8 +492,9 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     validate(cfg)
     if out_dir is not None:
         check_output_names(Path(out_dir))
-        if earlier is None and cfg.resume:
-            earlier = read_partial(out_dir)
+    earlier = read_partial(out_dir) if cfg.resume and out_dir is not None else []
+    if cfg.resume and out_dir is not None and not earlier:
+        print(f"resume: {out_dir} holds no {PARTIAL} of a stopped run, so every request runs", file=sys.stderr)
     if items is None:
         items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
     device = build(cfg.device, "device")
@@ -508,9 +509,10 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
                          sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
-    carried = carry_finished(earlier if cfg.resume else None, job_cfg, items, reqs, pair.target.config.vocab_size)
     ignored = ignored_fields(items)
     drafting = drafting_models(cfg, pair)
+    models_digest = model_files_digest(model_folders([pair.target, *drafting]))
+    carried = carry_finished(earlier, job_cfg, items, reqs, pair.target.config.vocab_size, models_digest)
     try:
         allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
         pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
@@ -549,7 +551,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
             from specpipe.sweep import clear_outputs
 
             clear_outputs(out_dir)
-        partial = PartialCompletions(Path(out_dir), pair.tokenizer, partial_meta(job_cfg, items)) \
+        partial = PartialCompletions(Path(out_dir), pair.tokenizer, partial_meta(job_cfg, items, models_digest)) \
             if out_dir is not None else None
         if partial is not None:
             partial.write([r for r in reqs if r.finished])  # bad prompts, and those a resumed run carried over
@@ -565,6 +567,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     from specpipe.sweep import prompts_digest
 
     summary["prompts_sha256"] = prompts_digest(items)  # resume=true compares it
+    summary["model_files_sha256"] = models_digest  # name, size and mtime of the model folders' files
     summary["recompile_limit_hits"] = recompile_limit_hits() - limits_before
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_pool_slots"] = int(allocator.main_pool.size)  # what num_slots=null resolved to

@@ -187,23 +187,34 @@ def schema_default(cfg: Optional[DictConfig], path: tuple) -> tuple[bool, Any]:
     return False, None
 
 
-def _same_run(stored: dict, current: dict, job: Optional[DictConfig] = None) -> bool:
-    """Whether two resolved configs ran the same job: every setting both hold is equal; a setting only the job
-    holds must be at its schema default (a newer specpipe added it: a sweep started before an upgrade still
-    resumes; every finished job ran again, its results gone, when the upgrade added sampling.min_p); a setting
-    only the stored run holds (an older specpipe's, since dropped) is left out."""
-    def at_default(value, path: tuple) -> bool:
-        known, default = schema_default(job, path)
-        return known and default == value
+def config_differences(stored: dict, current: dict, job: Optional[DictConfig] = None) -> list:
+    """The settings two resolved configs ran differently, as (dotted key, stored value, current value): every
+    setting both hold must be equal; a setting only the job holds must be at its schema default (a newer specpipe
+    added it: a sweep started before an upgrade still resumes; every finished job ran again, its results gone,
+    when the upgrade added sampling.min_p); a setting only the stored run holds (an older specpipe's, since
+    dropped) is left out."""
+    out = []
 
-    def same(a, b, path: tuple) -> bool:
+    def walk(a, b, path: tuple) -> None:
         if isinstance(a, dict) and isinstance(b, dict):
-            return all(same(a[k], b[k], path + (k,)) for k in a.keys() & b.keys()) and \
-                all(at_default(b[k], path + (k,)) for k in b.keys() - a.keys())
-        return a == b
+            for k in a:
+                if k in b:
+                    walk(a[k], b[k], path + (k,))
+            for k in b.keys() - a.keys():
+                known, default = schema_default(job, path + (k,))
+                if not (known and default == b[k]):
+                    out.append((".".join(path + (k,)), None, b[k]))
+        elif a != b:
+            out.append((".".join(path), a, b))
 
     strip = lambda c: {k: v for k, v in c.items() if k not in NOT_RUN_KEYS}  # noqa: E731
-    return same(strip(stored), strip(current), ())
+    walk(strip(stored), strip(current), ())
+    return out
+
+
+def _same_run(stored: dict, current: dict, job: Optional[DictConfig] = None) -> bool:
+    """Whether two resolved configs ran the same job (`config_differences` finds none)."""
+    return not config_differences(stored, current, job)
 
 
 def prompts_digest(items: list) -> str:

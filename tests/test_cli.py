@@ -142,10 +142,11 @@ def test_ctrl_c_names_the_partial_file_only_when_there_is_one(tmp_path, monkeypa
             (Path(out_dir) / "completions.partial.jsonl").write_text("")
         raise KeyboardInterrupt
     monkeypatch.setattr(app, "run", stopped)
-    monkeypatch.setattr(sys, "argv", ["specpipe", "model=random_tiny", f"hydra.run.dir={tmp_path / 'run'}"])
+    monkeypatch.setattr(sys, "argv", ["specpipe", "model=random_tiny", f"hydra.run.dir={tmp_path / 'my run'}"])
     with pytest.raises(SystemExit) as e:
         entry.main()
     err = capsys.readouterr().err
     assert e.value.code == 130 and ("completions.partial.jsonl" in err) == decoding, err
     # (and how to decode only the requests that had not finished)
-    assert (f"run the same command with resume=true hydra.run.dir={tmp_path / 'run'}" in err) == decoding, err
+    # (quoted for the shell: the folder's name has a space)
+    assert (f"run the same command with resume=true 'hydra.run.dir={tmp_path / 'my run'}'" in err) == decoding, err

@@ -150,9 +150,13 @@ def test_damaged_records_decode_again(tmp_path, pair, monkeypatch):
     recs[2].update(finish_reason="error", error="it failed")
     lines = [json.dumps(r) for r in recs]
     lines[3] = lines[3][:len(lines[3]) // 2]  # the line being written when the run was killed
+    if len(recs) > 5:
+        recs[4]["finish_reason"] = "banana"
+        recs[5]["logprobs"] = ["x"] * len(recs[5]["output_ids"])
+        lines[4:6] = [json.dumps(r) for r in recs[4:6]]
     (out / PARTIAL).write_text("\n".join(lines) + "\n")
     m = run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
-    assert m["resumed_requests"] == len(recs) - 4
+    assert m["resumed_requests"] == len(recs) - 4 - 2 * (len(recs) > 5)
     assert all(same_output(rec, r) for rec, r in zip(records(out / "completions.jsonl"), full))
 
 
@@ -169,7 +173,7 @@ def test_a_sweep_job_stopped_part_way_continues_from_its_finished_requests(tmp_p
     finished = json.loads((job / "metrics.json").read_text())
     done = records(job / "completions.jsonl")
     (job / PARTIAL).write_text("".join(json.dumps(r) + "\n" for r in done[3:]))
-    (job / META).write_text(json.dumps({"config": finished["config"], "prompts_sha256": finished["prompts_sha256"]}))
+    (job / META).write_text(json.dumps({k: finished[k] for k in ("config", "prompts_sha256", "model_files_sha256")}))
     (job / "metrics.json").unlink()
     (job / "completions.jsonl").unlink()
     p = subprocess.run([*args, "resume=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -193,7 +197,7 @@ def test_a_run_stopped_after_its_last_request_finished_decodes_nothing(tmp_path,
     m = run(compose(*args), out_dir=str(out), quiet=True, pair=pair)["metrics"]
     done = records(out / "completions.jsonl")
     os.replace(out / "completions.jsonl", out / PARTIAL)
-    (out / META).write_text(json.dumps({"config": m["config"], "prompts_sha256": m["prompts_sha256"]}))
+    (out / META).write_text(json.dumps({k: m[k] for k in ("config", "prompts_sha256", "model_files_sha256")}))
     (out / "metrics.json").unlink()
     capsys.readouterr()
     again = run(compose(*args, "resume=true"), out_dir=str(out), quiet=False, pair=pair)["metrics"]
@@ -218,3 +222,68 @@ def test_a_resumed_suffix_run_drafts_from_the_outputs_the_stopped_run_finished(t
     m = run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
     assert m["resumed_requests"] > 2 and m["draft_cache"] == full["draft_cache"]
     assert full["draft_cache"]["texts_added"] == 12
+
+
+def test_a_resume_stopped_before_it_decoded_and_one_refused_over_a_setting_lose_nothing(tmp_path, pair, monkeypatch,
+                                                                                    capsys):
+    """A resumed sweep job sets the folder aside before it loads the model, and a resume with a changed setting
+    sets aside the records it refused: a stop there, or the command put right, used to decode every request again.
+    The set-aside partial files (*.prev, *.prev.N) are read too."""
+    from specpipe.sweep import clear_outputs
+
+    path = prompts(tmp_path)
+    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        stop_after(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    records_before = records(out / PARTIAL)
+    kept = [r for r in records_before if r["finish_reason"] != "error"]
+    clear_outputs(str(out))  # as a sweep job does before it runs; then stopped before decoding
+    capsys.readouterr()
+    with monkeypatch.context() as m:  # the setting changed by mistake: refused, named, and stopped in turn
+        stop_after(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose(*args, "workload.max_new_tokens=9", "resume=true"), out_dir=str(out), quiet=True, pair=pair)
+    err = capsys.readouterr().err
+    assert "came from a run with other settings (workload.max_new_tokens: 10 there, 9 now)" in err, err
+    assert records(out / (PARTIAL + ".prev")) == records_before  # the first run's, set aside; beside the refused run's
+    assert (out / PARTIAL).is_file()
+    m = run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
+    err = capsys.readouterr().err
+    assert m["resumed_requests"] == len(kept) and f"{len(kept)} of 13 requests had finished" in err, err
+
+
+def test_records_of_other_model_files_under_the_same_path_are_not_taken(tmp_path, pair, monkeypatch, capsys):
+    from specpipe.resume import model_files_digest
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    before = model_files_digest([folder])
+    assert model_files_digest([folder]) == before and model_files_digest([]) != before
+    (folder / "model.safetensors").write_bytes(b"y" * 11)  # retrained, saved under the same name
+    assert model_files_digest([folder]) != before
+    path = prompts(tmp_path)
+    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        stop_after(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    meta = json.loads((out / META).read_text())
+    (out / META).write_text(json.dumps({**meta, "model_files_sha256": before}))
+    capsys.readouterr()
+    m = run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
+    err = capsys.readouterr().err
+    assert m["resumed_requests"] == 0 and "came from other model files" in err, err
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path, pair, capsys):
+    """A mistyped hydra.run.dir decoded everything again without a word."""
+    path = prompts(tmp_path)
+    out = tmp_path / "nowhere"
+    run(compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON,
+                "resume=true"), out_dir=str(out), quiet=True, pair=pair)
+    assert f"resume: {out} holds no {PARTIAL} of a stopped run, so every request runs" in capsys.readouterr().err
