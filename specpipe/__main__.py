@@ -116,6 +116,8 @@ def hydra_main(cfg: DictConfig) -> float:
         print(f"specpipe: every request failed ({m['num_errors']} of {m['num_requests']}; the reasons are listed "
               "above and in completions.jsonl)", file=sys.stderr)
         sys.exit(1)
+    if multirun and m.get("resumed_requests") and m.get("generated_tokens") == 0:
+        return failed_objective(hc)  # every request came from the stopped run: no speed was measured
     return objective(m, cfg.latency_limit_ms)
 
 

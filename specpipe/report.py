@@ -413,21 +413,35 @@ def lost_requests(metrics: Optional[dict]) -> float:
 
 
 def request_failures(metrics: Optional[dict]) -> str:
-    """"N of M requests failed: <the first one's error>" for a finished job that lost requests, else ""."""
+    """"N of M requests failed: <the first one's error>" for a finished job that lost requests, and "resumed: ..."
+    for one that took requests from a stopped run (its numbers cover only the others); else ""."""
     m = metrics or {}
+    notes = []
     n = m.get("num_errors")
-    if lost_requests(m) <= 0:
-        return ""
-    first = (m.get("request_errors") or [{}])[0]
-    first = first.get("error", "") if isinstance(first, dict) else ""
-    return f"{n} of {m.get('num_requests', '?')} requests failed" + (f": {first}" if first else "")
+    if lost_requests(m) > 0:
+        first = (m.get("request_errors") or [{}])[0]
+        first = first.get("error", "") if isinstance(first, dict) else ""
+        notes.append(f"{n} of {m.get('num_requests', '?')} requests failed" + (f": {first}" if first else ""))
+    resumed = m.get("resumed_requests")
+    if isinstance(resumed, int) and not isinstance(resumed, bool) and resumed > 0:
+        notes.append(f"resumed: {resumed} of {m.get('num_requests', '?')} requests came from the stopped run" +
+                     ("; none decoded here, so no speed was measured" if not_measured(m) else
+                      "; its numbers cover the others"))
+    return "; ".join(notes)
+
+
+def not_measured(metrics: Optional[dict]) -> bool:
+    """A resumed job whose requests had all finished in the run that was stopped: it decoded nothing."""
+    m = metrics or {}
+    return bool(m.get("resumed_requests")) and m.get("generated_tokens") == 0
 
 
 def best_job(jobs: list[Job]) -> Job:
     """The job the sweeper would pick: the fewest failed requests (a job that lost some did less work, so its
-    tokens/s flatters it), then most tokens/s, within latency_limit_ms where one was set."""
+    tokens/s flatters it), then a measured speed (a resumed job that decoded nothing has none), then most
+    tokens/s, within latency_limit_ms where one was set."""
     return max((j for j in jobs if j.tps is not None),
-               key=lambda j: (-lost_requests(j.metrics), objective(j.metrics, j.limit)))
+               key=lambda j: (-lost_requests(j.metrics), not not_measured(j.metrics), objective(j.metrics, j.limit)))
 
 
 def sort_jobs(jobs: list[Job]) -> list[Job]:

@@ -166,6 +166,23 @@ def test_a_job_that_lost_requests_says_so_and_is_not_best(tmp_path):
     assert "Best: job 2 (draft.topk=4 draft.num_steps=3), 402.2 tokens/s" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_a_resumed_job_says_so_and_one_that_decoded_nothing_is_not_best(tmp_path):
+    """A resumed job's numbers cover only the requests it decoded; one whose requests had all finished before the
+    stop decoded nothing (tokens/s 0), which is no measurement of its settings."""
+    sweep = make_sweep(tmp_path / "sweep")
+    for job, resumed, generated in (("2", 3, 10), ("1", 4, 0)):  # job 1: the fastest on paper
+        m = json.loads((sweep / job / "metrics.json").read_text())
+        m.update(num_requests=4, resumed_requests=resumed, generated_tokens=generated)
+        (sweep / job / "metrics.json").write_text(json.dumps(m))
+    main([str(sweep), "--out", str(tmp_path / "out")])
+    with open(tmp_path / "out" / "report.csv") as f:
+        table = {r["job"]: r for r in csv.DictReader(f)}
+    assert table["2"]["error"] == "resumed: 3 of 4 requests came from the stopped run; its numbers cover the others"
+    assert table["1"]["error"].endswith("none decoded here, so no speed was measured")
+    assert table["0"]["error"] == ""
+    assert "Best: job 2 " in (tmp_path / "out" / "report.md").read_text()
+
+
 def test_a_job_that_left_a_swept_key_at_its_default_shows_that_value(tmp_path):
     """Jobs with different override lists (a resumed sweep, hand-made dirs): a job without the override shows
     the value it ran with (the group choice from hydra.yaml, a setting from config.yaml), not an empty cell."""
