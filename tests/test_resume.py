@@ -31,6 +31,10 @@ def prompts(tmp_path, n=12, seed=4):
     return path
 
 
+def tiny(path, *extra) -> list:
+    return ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON, *extra]
+
+
 def stop_after(monkeypatch, steps: int) -> None:
     """Ctrl-C at the given decode step."""
     from specpipe.spec_pipeline import SpecPipeline
@@ -45,6 +49,14 @@ def stop_after(monkeypatch, steps: int) -> None:
     monkeypatch.setattr(SpecPipeline, "step", step)
 
 
+def run_stopped(monkeypatch, steps: int, out: Path, pair, *args) -> None:
+    """A run into out, stopped by Ctrl-C at the given decode step."""
+    with monkeypatch.context() as m:
+        stop_after(m, steps)
+        with pytest.raises(KeyboardInterrupt):
+            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+
+
 def records(path: Path) -> list:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
@@ -57,13 +69,10 @@ def same_output(rec: dict, r) -> bool:
 def test_a_resumed_run_decodes_only_what_the_stopped_one_left_and_ends_as_an_uninterrupted_run(
         tmp_path, pair, monkeypatch, capsys, sampling):
     path = prompts(tmp_path)
-    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON, *sampling]
+    args = tiny(path, *sampling)
     full = run(compose(*args), quiet=True, pair=pair)
     out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        stop_after(m, 12)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 12, out, pair, *args)
     records_before = records(out / PARTIAL)
     kept = [r for r in records_before if r["finish_reason"] != "error"]
     assert 2 < len(kept) < 12 and (out / META).is_file()
@@ -88,17 +97,11 @@ def test_a_second_stop_keeps_what_the_first_run_finished(tmp_path, pair, monkeyp
     """The resumed run writes the carried requests into its own partial file first: stopped again, it loses
     nothing the first run finished."""
     path = prompts(tmp_path)
-    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    args = tiny(path)
     out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        stop_after(m, 6)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 6, out, pair, *args)
     first = {r["index"] for r in records(out / PARTIAL)}
-    with monkeypatch.context() as m:
-        stop_after(m, 6)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 6, out, pair, *args, "resume=true")
     second = {r["index"] for r in records(out / PARTIAL)}
     assert first < second < set(range(13))
     m = run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
@@ -113,12 +116,9 @@ def test_a_second_stop_keeps_what_the_first_run_finished(tmp_path, pair, monkeyp
 ])
 def test_records_of_another_run_are_never_taken(tmp_path, pair, monkeypatch, capsys, change, why):
     path = prompts(tmp_path)
-    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    args = tiny(path)
     out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        stop_after(m, 12)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 12, out, pair, *args)
     again = list(args)
     if change == "prompts":
         path.write_text(path.read_text().replace('{"prompt": ""}', '{"prompt": "x"}'))
@@ -136,13 +136,10 @@ def test_damaged_records_decode_again(tmp_path, pair, monkeypatch):
     """A line cut by a kill, a record of a failed request, ids outside the vocabulary or a record whose prompt
     is not the request's: those requests decode again; the sound records are kept."""
     path = prompts(tmp_path)
-    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    args = tiny(path)
     full = run(compose(*args), quiet=True, pair=pair)["requests"]
     out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        stop_after(m, 12)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 12, out, pair, *args)
     recs = [r for r in records(out / PARTIAL) if r["finish_reason"] != "error"]
     assert len(recs) >= 4
     recs[0]["output_ids"] = [10 ** 6]
@@ -192,7 +189,7 @@ def test_a_run_stopped_after_its_last_request_finished_decodes_nothing(tmp_path,
     from specpipe.sweep import metrics_problem
 
     path = prompts(tmp_path)
-    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    args = tiny(path)
     out = tmp_path / "run"
     m = run(compose(*args), out_dir=str(out), quiet=True, pair=pair)["metrics"]
     done = records(out / "completions.jsonl")
@@ -215,10 +212,7 @@ def test_a_resumed_suffix_run_drafts_from_the_outputs_the_stopped_run_finished(t
             "workload.max_new_tokens=10", "workload.batch_size=3"]
     full = run(compose(*args), quiet=True, pair=pair)["metrics"]
     out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        stop_after(m, 12)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 12, out, pair, *args)
     m = run(compose(*args, "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
     assert m["resumed_requests"] > 2 and m["draft_cache"] == full["draft_cache"]
     assert full["draft_cache"]["texts_added"] == 12
@@ -232,20 +226,14 @@ def test_a_resume_stopped_before_it_decoded_and_one_refused_over_a_setting_lose_
     from specpipe.sweep import clear_outputs
 
     path = prompts(tmp_path)
-    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    args = tiny(path)
     out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        stop_after(m, 12)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 12, out, pair, *args)
     records_before = records(out / PARTIAL)
     kept = [r for r in records_before if r["finish_reason"] != "error"]
     clear_outputs(str(out))  # as a sweep job does before it runs; then stopped before decoding
     capsys.readouterr()
-    with monkeypatch.context() as m:  # the setting changed by mistake: refused, named, and stopped in turn
-        stop_after(m, 2)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args, "workload.max_new_tokens=9", "resume=true"), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 2, out, pair, *args, "workload.max_new_tokens=9", "resume=true")
     err = capsys.readouterr().err
     assert "came from a run with other settings (workload.max_new_tokens: 10 there, 9 now)" in err, err
     assert records(out / (PARTIAL + ".prev")) == records_before  # the first run's, set aside; beside the refused run's
@@ -266,12 +254,9 @@ def test_records_of_other_model_files_under_the_same_path_are_not_taken(tmp_path
     (folder / "model.safetensors").write_bytes(b"y" * 11)  # retrained, saved under the same name
     assert model_files_digest([folder]) != before
     path = prompts(tmp_path)
-    args = ["model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON]
+    args = tiny(path)
     out = tmp_path / "run"
-    with monkeypatch.context() as m:
-        stop_after(m, 12)
-        with pytest.raises(KeyboardInterrupt):
-            run(compose(*args), out_dir=str(out), quiet=True, pair=pair)
+    run_stopped(monkeypatch, 12, out, pair, *args)
     meta = json.loads((out / META).read_text())
     (out / META).write_text(json.dumps({**meta, "model_files_sha256": before}))
     capsys.readouterr()
@@ -284,6 +269,5 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, pair, capsys):
     """A mistyped hydra.run.dir decoded everything again without a word."""
     path = prompts(tmp_path)
     out = tmp_path / "nowhere"
-    run(compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}", *COMMON,
-                "resume=true"), out_dir=str(out), quiet=True, pair=pair)
+    run(compose(*tiny(path, "resume=true")), out_dir=str(out), quiet=True, pair=pair)
     assert f"resume: {out} holds no {PARTIAL} of a stopped run, so every request runs" in capsys.readouterr().err
