@@ -568,6 +568,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
 
     summary["prompts_sha256"] = prompts_digest(items)  # resume=true compares it
     summary["model_files_sha256"] = models_digest  # name, size and mtime of the model folders' files
+    summary["model_folders"] = sorted({str(f) for f in model_folders([pair.target, *drafting]) if f})
     summary["recompile_limit_hits"] = recompile_limit_hits() - limits_before
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_pool_slots"] = int(allocator.main_pool.size)  # what num_slots=null resolved to

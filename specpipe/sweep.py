@@ -272,7 +272,17 @@ def finished_metrics(cfg: DictConfig, out_dir: str) -> Optional[dict]:
     expand_user_paths(job)  # the stored config has its paths made absolute, as the run saw them
     if not _same_run(stored.get("config", {}), to_container(job), job):
         return None
-    return stored if _same_prompts(job, stored, path.parent) else None
+    if not _same_prompts(job, stored, path.parent):
+        return None
+    folders, digest = stored.get("model_folders"), stored.get("model_files_sha256")
+    if isinstance(folders, list) and all(isinstance(f, str) for f in folders) and isinstance(digest, str):
+        from specpipe.resume import model_files_digest
+
+        if model_files_digest(folders) != digest:  # weights retrained or replaced under the same path
+            print(f"resume: {path.parent}: the model files in {', '.join(folders)} changed since the job finished, "
+                  f"so the job runs again", file=sys.stderr)
+            return None
+    return stored
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -180,6 +180,24 @@ def test_resume_reuses_only_the_same_config(tmp_path):
     assert finished_metrics(cfg, str(tmp_path)) is None
 
 
+def test_resume_runs_a_finished_job_again_when_its_model_files_changed(tmp_path, capsys):
+    """Weights retrained under the same model.path: the config is the same, the finished job is not."""
+    from specpipe.resume import model_files_digest
+
+    cfg, model = compose(*SMALL), tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"x" * 10)
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "metrics.json").write_text(json.dumps({"tokens_per_s": 5.0, "config": to_container(cfg),
+                                                  "model_folders": [str(model)],
+                                                  "model_files_sha256": model_files_digest([model])}))
+    assert finished_metrics(cfg, str(job))["tokens_per_s"] == 5.0
+    (model / "model.safetensors").write_bytes(b"y" * 11)
+    assert finished_metrics(cfg, str(job)) is None
+    assert "the model files in" in capsys.readouterr().err
+
+
 def test_resume_matches_a_job_finished_before_an_upgrade_added_a_setting(tmp_path):
     """A sweep started with an older specpipe stored configs without the settings added since (sampling.min_p):
     resume compares what both hold, so its finished jobs are skipped, not run again over their results."""
