@@ -511,7 +511,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
                          sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
     ignored = ignored_fields(items)
     drafting = drafting_models(cfg, pair)
-    models_digest = model_files_digest(model_folders([pair.target, *drafting]))
+    folders = model_folders([pair.target, *drafting])
+    models_digest = model_files_digest(folders)
     carried = carry_finished(earlier, job_cfg, items, reqs, pair.target.config.vocab_size, models_digest)
     try:
         allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
@@ -568,7 +569,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
 
     summary["prompts_sha256"] = prompts_digest(items)  # resume=true compares it
     summary["model_files_sha256"] = models_digest  # name, size and mtime of the model folders' files
-    summary["model_folders"] = sorted({str(f) for f in model_folders([pair.target, *drafting]) if f})
+    summary["model_folders"] = folders
     summary["recompile_limit_hits"] = recompile_limit_hits() - limits_before
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_pool_slots"] = int(allocator.main_pool.size)  # what num_slots=null resolved to
@@ -665,10 +666,10 @@ class PartialCompletions:
                   file=sys.stderr)
             return
         if meta is not None:  # what resume=true checks before it takes these records (without it: none taken)
+            from specpipe.sweep import _write_json
+
             try:
-                tmp = out / (META + ".tmp")
-                tmp.write_text(json.dumps(meta), encoding="utf-8")
-                os.replace(tmp, out / META)
+                _write_json(out / META, meta)
             except OSError:
                 pass
 

@@ -20,6 +20,8 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from specpipe.schema import is_number
+
 PARTIAL = "completions.partial.jsonl"
 META = "completions.partial.meta.json"
 FINISH_REASONS = ("stop", "length")  # a record that ended so is finished; "error" runs again
@@ -36,25 +38,22 @@ class EarlierRun:
 
 
 def model_files_digest(folders) -> str:
-    """sha256 over the name, size and modification time of every file in the model folders: weights retrained or
-    replaced under the same path change it (reading the weights themselves would cost seconds per GB)."""
+    """sha256 over the name, size and modification time of every file in the model folders (`app.folder_state`,
+    which the in-process weight cache keys on too): weights retrained or replaced under the same path change it
+    (reading the weights themselves would cost seconds per GB)."""
+    from specpipe.app import folder_state
+
     h = hashlib.sha256()
-    for folder in sorted({str(f) for f in folders if f}):
-        h.update(folder.encode() + b"\0")
-        try:
-            files = sorted(p for p in Path(folder).iterdir() if p.is_file())
-        except OSError:
-            continue
-        for p in files:
-            st = p.stat()
-            h.update(f"{p.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for folder in sorted({str(f) for f in folders}):
+        h.update(json.dumps([folder, folder_state(folder)]).encode() + b"\n")
     return h.hexdigest()
 
 
 def model_folders(models) -> list:
-    """The folders the loaded models came from (none for random models, which their config describes)."""
-    return [m.config.extra.get("source") for m in models
-            if m is not None and isinstance(getattr(getattr(m, "config", None), "extra", None), dict)]
+    """The folders the loaded models came from, sorted (none for random models, which their config describes)."""
+    return sorted({str(src) for m in models
+                   if m is not None and isinstance(extra := getattr(getattr(m, "config", None), "extra", None), dict)
+                   and (src := extra.get("source"))})
 
 
 def partial_meta(job_cfg: DictConfig, items: list, models_digest: str) -> dict:
@@ -107,10 +106,6 @@ def read_partial(out_dir) -> list:
     return found
 
 
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _usable(rec: dict, r, vocab_size: int) -> bool:
     """Whether a record is a finished output of request r: its prompt, a finish that is not an error, token ids
     the model has, no more of them than the request may make, a log-probability per token if any."""
@@ -118,7 +113,7 @@ def _usable(rec: dict, r, vocab_size: int) -> bool:
     return (rec.get("prompt") == r.prompt and rec.get("finish_reason") in FINISH_REASONS
             and isinstance(ids, list) and len(ids) <= r.max_new_tokens
             and all(type(t) is int and 0 <= t < vocab_size for t in ids)
-            and (lps is None or (isinstance(lps, list) and len(lps) == len(ids) and all(map(_number, lps)))))
+            and (lps is None or (isinstance(lps, list) and len(lps) == len(ids) and all(map(is_number, lps)))))
 
 
 def _mismatch(run: EarlierRun, job_cfg: DictConfig, items: list, models_digest: str) -> Optional[str]:

@@ -25,6 +25,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from specpipe.resume import META, PARTIAL
 from specpipe.schema import is_number
 from specpipe.validate import expand_user_paths, to_container
 
@@ -323,10 +324,10 @@ def clear_error(out_dir: str) -> None:
     (Path(out_dir) / "error.json").unlink(missing_ok=True)
 
 
-RUN_OUTPUTS = ("metrics.json", "metrics.json.tmp", "completions.jsonl", "completions.jsonl.tmp",
-               "completions.partial.jsonl", "completions.partial.meta.json", "error.json")
+RUN_OUTPUTS = ("metrics.json", "metrics.json.tmp", "completions.jsonl", "completions.jsonl.tmp", PARTIAL, META,
+               "error.json")
 # an earlier run's results (the partial file: an interrupted run's finished requests): set aside as NAME.prev
-KEPT_OUTPUTS = ("metrics.json", "completions.jsonl", "completions.partial.jsonl", "completions.partial.meta.json")
+KEPT_OUTPUTS = ("metrics.json", "completions.jsonl", PARTIAL, META)
 
 
 def clear_outputs(out_dir: str) -> None:
