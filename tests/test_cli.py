@@ -84,7 +84,7 @@ def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
     (out / "completions.jsonl").write_text('{"index": 0}\n')
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
-                          "workload.max_new_tokens=1500", "workload.batch_size=1", "draft=none",
+                          "workload.max_new_tokens=300", "workload.batch_size=1", "draft=none",
                           f"hydra.run.dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.time() + 120
