@@ -1,6 +1,7 @@
 """Load EAGLE-1/2 and EAGLE-3 draft heads (safetensors or PyTorch state dicts) for an already loaded target."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -18,8 +19,16 @@ def load_draft_folder(folder: Path, target: LlamaForCausalLM, dtype: torch.dtype
     raw = read_config(folder)
     file = folder / "config.json"
     raw = _from_speculators(raw, file)
-    tensors, origin = read_tensors(weight_files(folder), dtype)
     arch = str(raw.get("architectures") or "").lower()
+    if "dflash" in arch or "dflash_config" in raw:
+        why = f"architectures {raw.get('architectures')}" if "dflash" in arch else "field 'dflash_config'"
+        raise CheckpointError(f"{file}: a DFlash drafter ({why}): it drafts a whole block of tokens in one forward "
+                              f"by denoising masked positions, reading the target's hidden states through its own KV, "
+                              f"and specpipe's drafters are EAGLE-1/2/3 heads (one token per forward), n-gram, suffix "
+                              f"and standalone LMs; use an EAGLE-3 head of this target, or draft=ngram / draft=suffix, "
+                              f"which need no weights")
+    tensors, origin = read_tensors(weight_files(folder), dtype)
+    _drop_parallel_draft_heads(raw, file, tensors, origin)
     layers = {n.split(".")[1] for n in tensors if n.startswith("layers.") and n.count(".") > 1}
     if "eagle3" not in arch and "fc.weight" not in tensors and len(layers) > 1 and (
             "lm_head.weight" in tensors or "embed_tokens.weight" in tensors):
@@ -35,6 +44,26 @@ def load_draft_folder(folder: Path, target: LlamaForCausalLM, dtype: torch.dtype
                     origin[new] = origin.pop(n)
         return _load_eagle3(raw, file, target, tensors, origin, device, dtype)
     return _load_eagle(raw, file, target, tensors, origin, device)
+
+
+def _drop_parallel_draft_heads(raw: dict, file: Path, tensors: dict, origin: dict) -> None:
+    """NVIDIA Model Optimizer's EAGLE + Medusa heads (`eagle_config.parallel_draft_step` > 1) add Medusa heads
+    (`parallel_draft_heads.*`) that guess further tokens from the EAGLE layer's output. The EAGLE layer itself
+    is trained step by step as any EAGLE head (the first logits of each training step are its own), so it
+    drafts here as one; the extra heads are set aside, and the note says so."""
+    extra = [n for n in tensors if n.startswith("parallel_draft_heads.")]
+    if not extra:
+        return
+    for n in extra:
+        del tensors[n]
+        origin.pop(n, None)
+    step = (raw.get("eagle_config") or {}).get("parallel_draft_step") if isinstance(raw.get("eagle_config"), dict) \
+        else None
+    heads = len({n.split(".")[1] for n in extra if n.split(".")[1].isdigit()})
+    print(f"specpipe: note: {file.parent} holds {heads or 'its'} Medusa-style parallel draft head"
+          f"{'' if heads == 1 else 's'} (parallel_draft_heads.*{f', parallel_draft_step={step}' if step else ''}) "
+          f"beside its EAGLE layer; specpipe drafts with the EAGLE layer, one token per forward, as it was trained, "
+          f"and does not use those heads", file=sys.stderr)
 
 
 def _from_speculators(raw: dict, file: Path) -> dict:

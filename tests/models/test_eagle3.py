@@ -215,6 +215,44 @@ def test_a_parallel_drafting_head_is_named_as_such(setup, tmp_path, how):
         load_draft(_write(tmp_path / "p", config, tensors), target)
 
 
+@torch.no_grad()
+def test_a_model_optimizer_eagle_medusa_head_drafts_with_its_eagle_layer(setup, tmp_path, capsys):
+    """NVIDIA Model Optimizer exports EAGLE heads trained with parallel_draft_step > 1 with Medusa heads beside the
+    EAGLE layer (`parallel_draft_heads.{i}.medusa_layers.{j}.linear.*`, `parallel_draft_heads.lm_head.weight`).
+    The EAGLE layer is trained step by step like any head, so it drafts as one; the load used to stop at
+    "unexpected tensor"."""
+    target, _, sd = setup
+    plain = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}  # Model Optimizer's names
+    config = _config()
+    config["eagle_config"] = {**config["eagle_config"], "parallel_draft_step": 3, "parallel_draft_heads_num_layers": 1,
+                              "use_aux_hidden_state": True, "use_last_layernorm": True}
+    medusa = dict(plain)
+    for i in range(2):
+        medusa[f"parallel_draft_heads.{i}.medusa_layers.0.linear.weight"] = torch.randn(H, H)
+        medusa[f"parallel_draft_heads.{i}.medusa_layers.0.linear.bias"] = torch.randn(H)
+    medusa["parallel_draft_heads.lm_head.weight"] = torch.randn(VD, H)
+    ref = load_draft(_write(tmp_path / "plain", _config(), plain), target)
+    assert "Medusa" not in capsys.readouterr().err
+    head = load_draft(_write(tmp_path / "medusa", config, medusa), target)
+    err = capsys.readouterr().err
+    assert "2 Medusa-style parallel draft heads" in err and "parallel_draft_step=3" in err, err
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(7))
+    aux = ref.capture(target, ids)[1]
+    assert torch.equal(head.logits(head(ids, aux)), ref.logits(ref(ids, aux)))
+
+
+@pytest.mark.parametrize("how", ["architectures", "field"])
+def test_a_dflash_drafter_is_named_as_such(setup, tmp_path, how):
+    """DFlash drafters (block diffusion, z-lab / Model Optimizer exports) draft a block per forward; as an EAGLE
+    head they failed on whichever tensor came first."""
+    target, _, sd = setup
+    config = {**_config(), "architectures": ["DFlashDraftModel"]} if how == "architectures" else \
+        {**_config(), "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 2]}}
+    with pytest.raises(CheckpointError, match="a DFlash drafter .*" + ("DFlashDraftModel" if how == "architectures"
+                                                                     else "field 'dflash_config'")):
+        load_draft(_write(tmp_path / "d", config, sd), target)
+
+
 def test_a_wider_head_without_its_own_embeddings_is_named_as_such(setup, tmp_path):
     target, _, sd = setup
     with pytest.raises(CheckpointError, match="hidden_size' is 96 and the head has no embed_tokens.weight"):
