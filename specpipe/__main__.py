@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import hydra
@@ -13,6 +15,14 @@ from specpipe.schema import register_schemas
 
 RUNNING: dict = {}  # the in-process sweep's current job: num, dir, sweep_dir
 WRITTEN: dict = {}  # job folder -> the job of this process's sweep that wrote it
+
+
+def let_a_second_ctrl_c_kill() -> None:
+    """Once a Ctrl-C is being handled, the next one ends the process at once, as SIGINT does by default. Raised as
+    KeyboardInterrupt during the interpreter's shutdown instead, a quick second press printed "Exception ignored
+    ... KeyboardInterrupt" tracebacks from torch's and threading's exit hooks."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def interrupted_sweep() -> str:
@@ -83,6 +93,7 @@ def hydra_main(cfg: DictConfig) -> float:
     except KeyboardInterrupt:
         if multirun:  # Ctrl-C ends the whole sweep (finished jobs keep their files)
             raise
+        let_a_second_ctrl_c_kill()
         from specpipe.app import PartialCompletions
 
         partial = Path(out_dir) / PartialCompletions.NAME
@@ -140,6 +151,7 @@ def main() -> None:
             sys.exit(2)
         hydra_main()
     except KeyboardInterrupt:  # a single run handles its own; this is a sweep, or before any job ran
+        let_a_second_ctrl_c_kill()
         multirun = bool(RUNNING) or split_args(sys.argv[1:])[1]  # RUNNING: a job of a sweep preset had begun
         print(interrupted_sweep() if multirun else "specpipe: interrupted", file=sys.stderr)
         sys.exit(130)
