@@ -57,7 +57,7 @@ def hydra_main(cfg: DictConfig) -> float:
         print("specpipe: " + msg, file=sys.stderr)
         sys.exit(2)
     from specpipe.errors import SpecpipeError
-    from specpipe.sweep import clear_error, clear_outputs, failed_objective, finished_metrics, objective, write_error
+    from specpipe.sweep import clear_error, clear_outputs, failed_objective, finished_metrics, job_score, write_error
 
     hc = HydraConfig.get()
     multirun = hc.mode.name == "MULTIRUN"
@@ -81,7 +81,7 @@ def hydra_main(cfg: DictConfig) -> float:
     done = finished_metrics(cfg, out_dir) if cfg.resume else None
     if done is not None:  # resume=true: this job finished in an earlier run of the same sweep dir
         print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)
-        return objective(done, cfg.latency_limit_ms)
+        return job_score(done, cfg.latency_limit_ms, hc)
     overrides = [str(o) for o in hc.overrides.task]  # the job's point, for error.json
     # a sweep's job writes here now: nothing an earlier sweep left in its folder may pass for this job's results if
     # it fails or is stopped (resume=true would skip it as finished). A single run sets earlier results aside only
@@ -127,9 +127,7 @@ def hydra_main(cfg: DictConfig) -> float:
         print(f"specpipe: every request failed ({m['num_errors']} of {m['num_requests']}; the reasons are listed "
               "above and in completions.jsonl)", file=sys.stderr)
         sys.exit(1)
-    if multirun and m.get("resumed_requests") and m.get("generated_tokens") == 0:
-        return failed_objective(hc)  # every request came from the stopped run: no speed was measured
-    return objective(m, cfg.latency_limit_ms)
+    return job_score(m, cfg.latency_limit_ms, hc)
 
 
 def main() -> None:

@@ -25,7 +25,8 @@ from typing import Optional
 import yaml
 
 from specpipe.schema import is_number
-from specpipe.sweep import NOT_RUN_KEYS, finite, metrics_problem, objective, read_json_object, within_latency_limit
+from specpipe.sweep import (NOT_RUN_KEYS, finite, metrics_problem, not_measured, objective, read_json_object,
+                            within_latency_limit)
 
 METRICS = ("tokens_per_s", "accept_length_mean", "step_latency_ms_p90", "num_verify_steps", "recompiles", "wall_s")
 DIGITS = {"tokens_per_s": 1, "accept_length_mean": 2, "step_latency_ms_p90": 2, "wall_s": 2}
@@ -428,12 +429,6 @@ def request_failures(metrics: Optional[dict]) -> str:
                      ("; none decoded here, so no speed was measured" if not_measured(m) else
                       "; its numbers cover the others"))
     return "; ".join(notes)
-
-
-def not_measured(metrics: Optional[dict]) -> bool:
-    """A resumed job whose requests had all finished in the run that was stopped: it decoded nothing."""
-    m = metrics or {}
-    return bool(m.get("resumed_requests")) and m.get("generated_tokens") == 0
 
 
 def best_job(jobs: list[Job]) -> Job:

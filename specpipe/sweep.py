@@ -395,6 +395,19 @@ def objective(metrics: dict, latency_limit_ms: Optional[float]) -> float:
     return -float(p90) / max(float(latency_limit_ms), 1e-9)
 
 
+def not_measured(metrics: Optional[dict]) -> bool:
+    """A resumed job whose requests had all finished in the run that was stopped: it decoded nothing."""
+    m = metrics or {}
+    return bool(m.get("resumed_requests")) and m.get("generated_tokens") == 0
+
+
+def job_score(metrics: dict, latency_limit_ms: Optional[float], hydra_cfg: Any) -> Any:
+    """What a finished job returns to the sweeper: its objective, or a failed point when it measured no speed (its
+    0 tokens/s would rank it as the worst point, and Optuna would steer away from a setting that was never timed).
+    A job skipped by a later resume=true reads the same metrics.json and scores the same."""
+    return failed_objective(hydra_cfg) if not_measured(metrics) else objective(metrics, latency_limit_ms)
+
+
 def within_latency_limit(p90, limit: float) -> bool:
     """Whether a job kept the limit: a job with no step latency (no decode step after the prefill, e.g.
     max_new_tokens=1) has nothing over it. The objective and the report's column both ask this."""

@@ -188,3 +188,25 @@ def test_results_set_aside_twice_keep_every_earlier_run(tmp_path):
     assert (tmp_path / "completions.partial.jsonl.prev").read_text() == "third\n"  # the newest
     assert (tmp_path / "completions.partial.jsonl.prev.2").read_text() == "first\n"  # then in the order set aside
     assert (tmp_path / "completions.partial.jsonl.prev.3").read_text() == "second\n"
+
+
+@pytest.mark.parametrize("sweeper", ["basic", "optuna"])
+def test_a_job_that_decoded_nothing_is_a_failed_point_also_when_a_later_resume_skips_it(sweeper):
+    """Every request of a resumed job had finished before the stop, so it measured no speed: its 0 tokens/s made it
+    the worst point to Optuna (which then steered away from a setting that was never timed). The job's own run
+    returned that, and so did every later resume=true that skipped it on its metrics.json."""
+    import math
+    from types import SimpleNamespace
+
+    from specpipe.sweep import OPTUNA_SWEEPER, job_score
+
+    hydra_cfg = SimpleNamespace(sweeper=SimpleNamespace(
+        _target_=OPTUNA_SWEEPER + ".OptunaSweeper" if sweeper == "optuna" else "hydra._internal.core_plugins."
+        "basic_sweeper.BasicSweeper", direction="maximize"))
+    carried = {"tokens_per_s": 0.0, "generated_tokens": 0, "resumed_requests": 12, "step_latency_ms_p90": None}
+    score = job_score(carried, None, hydra_cfg)
+    assert (math.isnan(score) if sweeper == "basic" else score == -math.inf), score
+    decoded = {**carried, "tokens_per_s": 80.0, "generated_tokens": 40, "resumed_requests": 3}
+    assert job_score(decoded, None, hydra_cfg) == 80.0  # a resumed job that decoded some: its speed counts
+    assert job_score({**decoded, "resumed_requests": 0}, None, hydra_cfg) == 80.0
+    assert job_score({**decoded, "step_latency_ms_p90": 30.0}, 15.0, hydra_cfg) == -2.0  # over the latency limit
