@@ -27,7 +27,7 @@ from specpipe.stages.prepare_decode import check_sparse_model, check_window_pool
 from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.stop_strings import StopStrings
-from specpipe.validate import one_request_slots, run_stop_strings, to_container, validate
+from specpipe.validate import one_request_slots, run_stop_strings, to_container, validate, window_problems
 from specpipe.workload import load_prompts
 
 
@@ -401,6 +401,15 @@ def model_sampling(cfg: DictConfig, pair) -> tuple[DictConfig, str]:
     return OmegaConf.merge(cfg, {"sampling": found}), str(Path(source) / "generation_config.json")
 
 
+def model_window(cfg: DictConfig, pair) -> DictConfig:
+    """cfg with allocator.window set to the model's sliding window where allocator=swa leaves it null."""
+    from omegaconf import OmegaConf
+
+    if not cfg.allocator.get("_target_", "").endswith("SWAAllocator") or cfg.allocator.window is not None:
+        return cfg
+    return OmegaConf.merge(cfg, {"allocator": {"window": check_window_pool(pair, None)}})
+
+
 def out_of_memory(e: BaseException) -> bool:
     """Whether `e` (or what it wraps: hydra wraps errors raised while building) is an allocation failure."""
     while e is not None:
@@ -436,7 +445,10 @@ def check_against_model(cfg: DictConfig, pair) -> None:
                           f"(max_position_embeddings), so most of every page would never be written; use a power "
                           f"of two up to {1 << (ctx.bit_length() - 1)} (16 to 128 are usual)")
     if cfg.allocator.get("_target_", "").endswith("SWAAllocator"):
-        check_window_pool(pair, cfg.allocator.window)
+        window = check_window_pool(pair, cfg.allocator.window)
+        problems = window_problems(cfg, window, model_window=True) if cfg.allocator.window is None else []
+        if problems:
+            raise ConfigError(problems[0])
     if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator"):
         check_sparse_model(pair)
     d = cfg.draft
@@ -505,6 +517,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     check_against_model(cfg, pair)
     job_cfg = cfg  # the config as given: the stored one, which resume compares with the job's
     cfg, sampling_source = model_sampling(cfg, pair)  # (the values it took are in the `sampling` metric)
+    cfg = model_window(cfg, pair)
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),

@@ -67,7 +67,7 @@ class PagedAllocatorConf(AllocatorConf):
 @dataclass
 class SWAAllocatorConf(AllocatorConf):
     _target_: str = "specpipe.allocators.swa.SWAAllocator"
-    window: int = 256  # tokens a sliding-window layer sees; its pool frees slots that leave the window
+    window: Optional[int] = None  # tokens the window pool keeps per request; null: the model's sliding window
     swa_num_slots: Optional[int] = None  # window-pool size (None: same as num_slots)
 
 

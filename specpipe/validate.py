@@ -233,22 +233,11 @@ def validate(cfg: DictConfig) -> None:
     swa_slots = a.get("swa_num_slots")
     if swa_slots is not None and swa_slots < 1:
         errors.append(f"allocator.swa_num_slots={swa_slots} must be positive (or null: the same as num_slots)")
-    elif swa_slots is not None and "window" in a and a.window >= 1 and ps_ok:
-        # the window pool holds a request's newest window tokens plus a step's draft space: what a decode step and
-        # a prefill run in chunks (a page at a time at worst) need, whatever the prompt's length
-        need = -(-a.window // ps) * ps + one_request_slots(cfg, new_tokens=0)
-        if swa_slots < need:
-            errors.append(f"allocator.swa_num_slots={swa_slots} is smaller than one request needs in the window "
-                          f"pool ({need} slots: the last allocator.window={a.window} tokens plus draft and verify "
-                          f"space at page_size={ps}; a prompt of any length is prefilled in chunks within it); use "
-                          f"allocator.swa_num_slots>={need}")
-    if "window" in a and a.window < 1:
-        errors.append(f"allocator.window={a.window} must be >= 1 (tokens a sliding-window layer sees; the model's "
-                      f"own sliding_window is the usual value)")
-    elif "window" in a and cfg.draft.method != "none" and a.window < cfg.draft.num_steps + 1:
-        errors.append(f"allocator.window={a.window} is shorter than one speculative step needs "
-                      f"(num_steps + 1 = {cfg.draft.num_steps + 1} tokens); use allocator.window>="
-                      f"{cfg.draft.num_steps + 1}")
+    if "window" in a and a.window is not None and a.window < 1:
+        errors.append(f"allocator.window={a.window} must be >= 1 (tokens a sliding-window layer sees; null takes the "
+                      f"model's own sliding_window)")
+    elif "window" in a and a.window is not None and ps_ok:
+        errors += window_problems(cfg, a.window)
     for key, hint in (("temperature", ""), ("top_p", " (1 keeps every token)"), ("top_k", " (0 keeps every token)"),
                       ("repetition_penalty", "; 1.05 to 1.3 is typical"), ("min_p", "; 0.05 to 0.1 is typical")):
         v = cfg.sampling[key]
@@ -276,6 +265,31 @@ def run_stop_strings(cfg) -> list:
     stop = OmegaConf.to_container(stop) if OmegaConf.is_config(stop) else stop
     stop = [stop] if isinstance(stop, str) else stop
     return [unescape(s) if isinstance(s, str) else s for s in stop] if isinstance(stop, list) else stop
+
+
+def window_problems(cfg, window: int, model_window: bool = False) -> list[str]:
+    """What the window pool of allocator=swa cannot do with a `window` of tokens (allocator.window, or the model's
+    sliding window that a null one takes, which the messages then name)."""
+    a, d, ps = cfg.allocator, cfg.draft, cfg.allocator.page_size
+    what = f"the model's sliding window of {window} tokens (which allocator.window=null takes)" if model_window \
+        else f"allocator.window={window}"
+    last = f"the last {window} tokens, the model's sliding window," if model_window else \
+        f"the last allocator.window={window} tokens"
+    errors = []
+    if d.method != "none" and window < d.num_steps + 1:
+        errors.append(f"{what} is shorter than one speculative step needs (num_steps + 1 = {d.num_steps + 1} "
+                      f"tokens); use " + (f"draft.num_steps<={window - 1}" if model_window else
+                                          f"allocator.window>={d.num_steps + 1}"))
+    swa_slots = a.get("swa_num_slots")
+    if swa_slots is not None and swa_slots >= 1:
+        # the window pool holds a request's newest window tokens plus a step's draft space: what a decode step and
+        # a prefill run in chunks (a page at a time at worst) need, whatever the prompt's length
+        need = -(-window // ps) * ps + one_request_slots(cfg, new_tokens=0)
+        if swa_slots < need:
+            errors.append(f"allocator.swa_num_slots={swa_slots} is smaller than one request needs in the window "
+                          f"pool ({need} slots: {last} plus draft and verify space at page_size={ps}; a prompt "
+                          f"of any length is prefilled in chunks within it); use allocator.swa_num_slots>={need}")
+    return errors
 
 
 def one_request_slots(cfg, new_tokens: Optional[int] = None) -> int:

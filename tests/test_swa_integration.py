@@ -77,6 +77,28 @@ def test_swa_larger_allocator_window_is_fine(path):
     assert m["kv_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
 
 
+def test_swa_keeps_the_models_window_when_allocator_window_is_null(path):
+    """allocator.window defaulted to 256 whatever the model: a window-16 model kept 256 tokens per request in the
+    window pool (nothing was ever evicted here), and a model whose window is above 256 (Mistral-7B-v0.1: 4096) was
+    refused until the user found the setting."""
+    got, m = decode(path, "alternate", "allocator=swa", f"allocator.swa_num_slots={SWA_SLOTS}", "allocator.debug=true")
+    assert got == baseline(path, "alternate")
+    assert m["swa_evicted_tokens"] > 0 and m["config"]["allocator"]["window"] is None  # as given; 16 ran
+    cfg = compose("model=random_tiny", "device.dtype=float64", "model.sliding_window=300",
+                  f"workload.prompts_file={path}", "workload.max_new_tokens=8", "workload.batch_size=4", "allocator=swa",
+                  "draft.topk=2")
+    want = run(compose("model=random_tiny", "device.dtype=float64", "model.sliding_window=300",
+                       f"workload.prompts_file={path}", "workload.max_new_tokens=8", "draft=none"), quiet=True)
+    assert [r.output_ids for r in run(cfg, quiet=True)["requests"]] == [r.output_ids for r in want["requests"]]
+    with pytest.raises(ConfigError, match=r"allocator.swa_num_slots=17 is smaller than one request needs in the "
+                                          r"window pool \(\d+ slots: the last 16 tokens, the model's sliding window,"):
+        decode(path, "alternate", "allocator=swa", "allocator.swa_num_slots=17")
+    with pytest.raises(ConfigError, match=r"the model's sliding window of 3 tokens \(which allocator.window=null "
+                                          r"takes\) is shorter than one speculative step needs.*draft.num_steps<=2"):
+        run(compose("model=random_tiny", "model.sliding_window=3", f"workload.prompts_file={path}", "allocator=swa",
+                    "draft.num_steps=3"), quiet=True)
+
+
 def test_sliding_layers_read_only_the_window_pool():
     """Window storage is sized swa_pool_slots; every window slot the row does not own (evicted,
     free, the padding sink) is filled with garbage before each step and the logits do not move."""

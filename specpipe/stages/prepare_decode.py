@@ -285,8 +285,9 @@ class PrepareDecode(Stage):
                 self.alloc.free(slots)
 
 
-def check_window_pool(pair, window: int) -> None:
-    """ConfigError unless the target has sliding-window layers that an allocator window of `window` covers."""
+def check_window_pool(pair, window: Optional[int]) -> int:
+    """The window the pool keeps: `window`, or the model's sliding window (the largest of its layers') when None.
+    ConfigError unless the target has sliding-window layers that it covers."""
     cfg = pair.target.config
     windows = [w for w in (cfg.window_of(i) for i in range(cfg.num_hidden_layers)) if w is not None]
     name = getattr(pair, "name", "") or "this model"
@@ -296,10 +297,11 @@ def check_window_pool(pair, window: int) -> None:
                           "with max_window_layers below num_hidden_layers); use a model with sliding "
                           "window attention, e.g. model=random_tiny model.sliding_window=64, or another "
                           "allocator (allocator=token or allocator=paged)")
-    if window < max(windows):
+    if window is not None and window < max(windows):
         raise ConfigError(f"allocator.window={window} is smaller than the model's sliding window of "
                           f"{max(windows)} tokens: the window pool would drop keys the model still attends to; "
-                          f"use allocator.window>={max(windows)}")
+                          f"use allocator.window>={max(windows)}, or leave it null (the model's)")
+    return max(windows) if window is None else window
 
 
 def check_sparse_model(pair) -> None:
