@@ -84,6 +84,7 @@ def test_swa_keeps_the_models_window_when_allocator_window_is_null(path):
     got, m = decode(path, "alternate", "allocator=swa", f"allocator.swa_num_slots={SWA_SLOTS}", "allocator.debug=true")
     assert got == baseline(path, "alternate")
     assert m["swa_evicted_tokens"] > 0 and m["config"]["allocator"]["window"] is None  # as given; 16 ran
+    assert m["swa_window"] == WINDOW and m["swa_window_pool_slots"] == SWA_SLOTS
     cfg = compose("model=random_tiny", "device.dtype=float64", "model.sliding_window=300",
                   f"workload.prompts_file={path}", "workload.max_new_tokens=8", "workload.batch_size=4", "allocator=swa",
                   "draft.topk=2")

@@ -254,7 +254,8 @@ class PrepareDecode(Stage):
         if self.window is not None:
             out.update(swa_chunked_prefills=self.chunked[0], swa_prefill_chunk_forwards=self.chunked[1],
                        swa_prefill_chunk_min_tokens=self.chunked[2] or None)
-            out.update(swa_evicted_tokens=self.evicted_tokens, swa_window_peak_slots=self.window_peak,
+            out.update(swa_window=self.window, swa_window_pool_slots=self.alloc.swa.size,
+                       swa_evicted_tokens=self.evicted_tokens, swa_window_peak_slots=self.window_peak,
                        kv_window_leaked_slots=self.alloc.swa.size - self.alloc.swa_available(),
                        kv_full_leaked_slots=self.alloc.full.size - self.alloc.full_available())
         if self.hot is not None:
