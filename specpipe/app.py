@@ -446,9 +446,10 @@ def check_against_model(cfg: DictConfig, pair) -> None:
                           f"of two up to {1 << (ctx.bit_length() - 1)} (16 to 128 are usual)")
     if cfg.allocator.get("_target_", "").endswith("SWAAllocator"):
         window = check_window_pool(pair, cfg.allocator.window)
-        problems = window_problems(cfg, window, model_window=True) if cfg.allocator.window is None else []
+        problems = window_problems(cfg, window, model_window=True, context=ctx) if cfg.allocator.window is None \
+            else []
         if problems:
-            raise ConfigError(problems[0])
+            raise ConfigError(problems)
     if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator"):
         check_sparse_model(pair)
     d = cfg.draft

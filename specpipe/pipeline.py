@@ -227,8 +227,8 @@ class Pipeline:
                  (f"the window pool ({alloc.swa.size} slots)", "allocator.swa_num_slots", window, alloc.swa.size)]
         short = [p[:3] for p in pools if p[2] > p[3]] or [p[:3] for p in pools]
         self.fail(req, f"{' and '.join(w for w, _, _ in short)} cannot hold this request's {tokens} tokens{also}{at} "
-                       f"(the window pool keeps its last allocator.window={self.prep.window} tokens, and a prefill runs "
-                       f"in chunks); raise {' and '.join(f'{k} to at least {n}' for _, k, n in short)} for it to finish")
+                       f"(the window pool keeps its last {self.prep.window} tokens, the sliding window, and a prefill "
+                       f"runs in chunks); raise {' and '.join(f'{k} to at least {n}' for _, k, n in short)} for it to finish")
 
     # ---- host-side token bookkeeping ---------------------------------------------------
     def append_tokens(self, req: Request, tokens: list, logprobs: Optional[list] = None) -> int:

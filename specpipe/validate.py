@@ -267,9 +267,10 @@ def run_stop_strings(cfg) -> list:
     return [unescape(s) if isinstance(s, str) else s for s in stop] if isinstance(stop, list) else stop
 
 
-def window_problems(cfg, window: int, model_window: bool = False) -> list[str]:
+def window_problems(cfg, window: int, model_window: bool = False, context: Optional[int] = None) -> list[str]:
     """What the window pool of allocator=swa cannot do with a `window` of tokens (allocator.window, or the model's
-    sliding window that a null one takes, which the messages then name)."""
+    sliding window that a null one takes, which the messages then name). `context`: the model's, where known (a
+    request never holds more, whatever the window)."""
     a, d, ps = cfg.allocator, cfg.draft, cfg.allocator.page_size
     what = f"the model's sliding window of {window} tokens (which allocator.window=null takes)" if model_window \
         else f"allocator.window={window}"
@@ -277,14 +278,16 @@ def window_problems(cfg, window: int, model_window: bool = False) -> list[str]:
         f"the last allocator.window={window} tokens"
     errors = []
     if d.method != "none" and window < d.num_steps + 1:
+        fewer = f", or draft.num_steps<={window - 1}" if model_window and window > 1 else \
+            ", or draft=none" if model_window else ""
         errors.append(f"{what} is shorter than one speculative step needs (num_steps + 1 = {d.num_steps + 1} "
-                      f"tokens); use " + (f"draft.num_steps<={window - 1}" if model_window else
-                                          f"allocator.window>={d.num_steps + 1}"))
+                      f"tokens); use allocator.window>={d.num_steps + 1} (a window pool larger than the model's "
+                      f"window is fine){fewer}")
     swa_slots = a.get("swa_num_slots")
     if swa_slots is not None and swa_slots >= 1:
         # the window pool holds a request's newest window tokens plus a step's draft space: what a decode step and
         # a prefill run in chunks (a page at a time at worst) need, whatever the prompt's length
-        need = -(-window // ps) * ps + one_request_slots(cfg, new_tokens=0)
+        need = -(-min(window, context or window) // ps) * ps + one_request_slots(cfg, new_tokens=0)
         if swa_slots < need:
             errors.append(f"allocator.swa_num_slots={swa_slots} is smaller than one request needs in the window "
                           f"pool ({need} slots: {last} plus draft and verify space at page_size={ps}; a prompt "

@@ -323,6 +323,7 @@ def read_prompts_file(path: str, limit: Optional[int] = None) -> list[dict]:
     for n, line in enumerate(raw.split(b"\n"), 1):
         if limit is not None and len(items) >= limit and not_json < len(items):  # (all bad so far: the format check
             break                                                                # below reads the whole file)
+        line = line.removeprefix(b"\xef\xbb\xbf")  # a file saved with one, joined to others by `cat`
         if not line.strip():
             continue
         try:

@@ -72,6 +72,9 @@ def test_prompt_file_details(tmp_path):
     assert items[3] == {"prompt": "d", "seed": 2 ** 63 - 1, "where": "line 4"}
     for i, v in ((1, "-1"), (2, "9223372036854775808")):
         assert items[i]["error"] == f'line {i + 1}: "seed" must be an integer between 0 and 2**63-1, got {v}'
+    # files joined by `cat`, the second saved with a byte-order mark: its first line failed as "not valid JSON"
+    path.write_bytes(b'{"prompt": "a"}\r\n\xef\xbb\xbf{"prompt": "b"}\r\n\xef\xbb\xbf\r\n')
+    assert read_prompts_file(str(path)) == [{"prompt": "a", "where": "line 1"}, {"prompt": "b", "where": "line 2"}]
 
 
 def mixed_prompts(n, seed=0):

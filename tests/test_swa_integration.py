@@ -1,6 +1,8 @@
 """allocator=swa for real: sliding layers keep K/V only in the window pool, and every commit frees
 the window-pool pages of tokens that left the window; greedy output stays the target's own."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -94,10 +96,28 @@ def test_swa_keeps_the_models_window_when_allocator_window_is_null(path):
     with pytest.raises(ConfigError, match=r"allocator.swa_num_slots=17 is smaller than one request needs in the "
                                           r"window pool \(\d+ slots: the last 16 tokens, the model's sliding window,"):
         decode(path, "alternate", "allocator=swa", "allocator.swa_num_slots=17")
-    with pytest.raises(ConfigError, match=r"the model's sliding window of 3 tokens \(which allocator.window=null "
-                                          r"takes\) is shorter than one speculative step needs.*draft.num_steps<=2"):
-        run(compose("model=random_tiny", "model.sliding_window=3", f"workload.prompts_file={path}", "allocator=swa",
-                    "draft.num_steps=3"), quiet=True)
+    # a model window shorter than a speculative step: every problem at once, and fixes that can be applied
+    short = ("model=random_tiny", "model.sliding_window=3", f"workload.prompts_file={path}", "allocator=swa",
+             "draft.num_steps=3")
+    with pytest.raises(ConfigError) as e:
+        run(compose(*short, "allocator.swa_num_slots=1"), quiet=True)
+    assert "2 problems" in str(e.value) and "allocator.swa_num_slots=1 is smaller" in str(e.value), str(e.value)
+    assert re.search(r"the model's sliding window of 3 tokens \(which allocator.window=null takes\) is shorter than "
+                     r"one speculative step needs .*; use allocator.window>=4 .*, or draft.num_steps<=2", str(e.value))
+    assert run(compose(*short, "allocator.window=4", "workload.num_prompts=1", "workload.max_new_tokens=4"),
+               quiet=True)["metrics"]["swa_window"] == 4  # the fix it names works
+    with pytest.raises(ConfigError, match=r"use allocator.window>=2 .*, or draft=none"):  # not draft.num_steps<=0
+        run(compose("model=random_tiny", "model.sliding_window=1", f"workload.prompts_file={path}", "allocator=swa",
+                    "draft.num_steps=1", "draft.topk=1", "draft.num_draft_tokens=2"), quiet=True)
+
+
+def test_a_model_window_beyond_the_context_asks_for_no_more_window_pool_than_the_context(path):
+    """No request holds more than the model's context, so the window pool's minimum is the context's when the
+    sliding window is longer (a 4096-window model served at 2048 tokens was refused a window pool of 2100)."""
+    cfg = compose("model=random_tiny", "model.sliding_window=5000", f"workload.prompts_file={path}", "allocator=swa",
+                  "allocator.swa_num_slots=2100", "workload.max_new_tokens=8", "workload.batch_size=1")
+    m = run(cfg, quiet=True)["metrics"]
+    assert m["swa_window"] == 5000 and m["num_errors"] == 0
 
 
 def test_sliding_layers_read_only_the_window_pool():
