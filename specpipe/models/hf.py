@@ -174,13 +174,27 @@ def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[i
     """(sliding_window, layer_types) with Hugging Face's semantics for each family."""
     if family == "mistral":  # HF Mistral applies the window to every layer; MistralConfig's default is 4096
         none = raw.get("sliding_window", 4096) is None  # an explicit null: no window
-        return (None if none else _int_field(raw, "sliding_window", file, 4096)), None
+        window = None if none else _int_field(raw, "sliding_window", file, 4096)
+        if raw.get("layer_types") is None or window is None:
+            return window, None
+        # with layer_types, transformers loads a mistral config as Ministral: the window applies to the layers
+        # that list sliding_attention only (Ministral-8B alternates them)
+        types = _layer_types(raw["layer_types"], layers, file)
+        return (window, types) if "sliding_attention" in types else (None, None)
     if family not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
         return None, None
     first = raw.get("max_window_layers", 28)
     if not is_int(first) or first < 0:
         raise CheckpointError(f"{file}: field 'max_window_layers' must be an integer >= 0, got {first!r}")
-    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    types = _layer_types(raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                                    for i in range(layers)], layers, file)
+    if "sliding_attention" not in types:
+        return None, None
+    return _int_field(raw, "sliding_window", file), types
+
+
+def _layer_types(types, layers: int, file: Path) -> list:
+    """config.json's layer_types, checked: one 'full_attention' or 'sliding_attention' per layer."""
     if not isinstance(types, list) or len(types) != layers:
         raise CheckpointError(f"{file}: field 'layer_types' has {len(types) if isinstance(types, list) else types!r} "
                               f"entries but num_hidden_layers={layers}")
@@ -188,9 +202,7 @@ def _window(raw: dict, family: str, layers: int, file: Path) -> tuple[Optional[i
     if odd is not None:
         raise CheckpointError(f"{file}: field 'layer_types' holds {odd!r}; specpipe implements 'full_attention' and "
                               f"'sliding_attention' layers")
-    if "sliding_attention" not in types:
-        return None, None
-    return _int_field(raw, "sliding_window", file), list(types)
+    return list(types)
 
 
 def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
@@ -233,6 +245,8 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
     extra = {"architecture": (raw.get("architectures") or [None])[0], "family": family, "source": str(file.parent)}
     if isinstance(eos, list):
         extra["eos_token_ids"], eos = eos, (eos[0] if eos else None)
+    if family == "llama" and not draft and is_int(raw.get("sliding_window")) and raw["sliding_window"] > 0:
+        extra["unapplied_sliding_window"] = raw["sliding_window"]  # load_hf says so
     return LlamaConfig(
         vocab_size=_int_field(raw, "vocab_size", file), hidden_size=hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -607,6 +621,14 @@ def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: st
         print(f"specpipe: note: {folder / 'generation_config.json'} sets "
               f"{', '.join(f'{k}={v!r}' for k, v in unapplied.items())}, which specpipe does not apply{how} "
               f"({hf}), so outputs can differ from HF's", file=sys.stderr)
+    window = target.config.extra.get("unapplied_sliding_window")
+    if window is not None:
+        import sys
+
+        print(f"specpipe: note: {folder / 'config.json'} sets sliding_window={window} on a Llama model, whose "
+              f"attention has no window (vLLM ignores the field too), so every layer attends to the whole context; "
+              f"transformers' generate trims its cache to the window, so its outputs can differ past {window} tokens",
+              file=sys.stderr)
     draft = load_draft(draft_path, target, dtype, device) if draft_path is not None else None
     return ModelPair(target, draft, tokenizer, name=name or folder.name)
 

@@ -111,6 +111,20 @@ def test_load_hf_with_tokenizer_and_dtype(make_hf_model, edit_config, tmp_path):
     assert load_target(tmp_path, dtype="bfloat16").norm.weight.dtype == torch.bfloat16
 
 
+def test_a_llama_config_with_a_sliding_window_is_named_as_unapplied(make_hf_model, edit_config, tmp_path, capsys):
+    """Llama attention has no window (HF's LlamaAttention and vLLM ignore the field), but transformers' generate
+    trims its cache to it, so its outputs differed from specpipe's with nothing said."""
+    make_hf_model("llama").save_pretrained(tmp_path)
+    edit_config(tmp_path, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299},
+                sliding_window=None)
+    load_hf(tmp_path)
+    assert "sliding_window" not in capsys.readouterr().err
+    edit_config(tmp_path, sliding_window=8)
+    pair = load_hf(tmp_path)
+    assert "sets sliding_window=8 on a Llama model" in capsys.readouterr().err
+    assert all(pair.target.config.window_of(i) is None for i in range(2))  # and it is not applied
+
+
 @torch.no_grad()
 def test_save_target_is_readable_by_transformers(transformers, tmp_path):
     pair = build_random_tiny(vocab_size=300, tie_word_embeddings=True, seed=6)
@@ -191,3 +205,21 @@ def test_a_dtype_cast_of_the_model_keeps_float32_rope_frequencies():
     for dtype in ("bfloat16", "float16", "float64"):
         rotary = build_random_tiny(dtype=dtype).target.rotary
         assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, exact), dtype
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("types", [["sliding_attention", "full_attention"], ["full_attention", "full_attention"]])
+def test_a_mistral_config_with_layer_types_slides_only_the_layers_it_names(transformers, make_hf_model, edit_config,
+                                                                          tmp_path, types):
+    """transformers loads a `mistral` config that has layer_types as Ministral (Ministral-8B alternates sliding and
+    full layers): the window applies to the sliding_attention layers only. specpipe slid every layer, so its
+    tokens differed from the first one on prompts longer than the window."""
+    make_hf_model("mistral_window").save_pretrained(tmp_path)
+    edit_config(tmp_path, layer_types=types)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 300, (2, T), generator=torch.Generator().manual_seed(1))
+    ref = ref_model(ids).logits.float()
+    target = load_target(tmp_path)
+    assert [target.config.window_of(i) for i in range(2)] == [5 if t == "sliding_attention" else None for t in types]
+    assert (target.logits(target(ids)) - ref).abs().max().item() <= TOL
+    assert (_pool_logits(target, ids, [7, 3]) - ref).abs().max().item() <= TOL
