@@ -69,10 +69,13 @@ def config_to_hf(cfg: LlamaConfig, architecture: Optional[str] = None) -> dict:
         if arch != "LlamaForCausalLM":
             raise ValueError(f"{arch} has no MLP biases; save this model as LlamaForCausalLM")
         out["mlp_bias"] = True
-    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.sliding_window is not None:
-        if arch != "MistralForCausalLM" or cfg.layer_types is not None:
-            raise ValueError(f"{arch} cannot express this sliding-window layout (per-layer windows need Qwen2)")
+    if arch == "MistralForCausalLM":  # written when null too: absent, Mistral's default window of 4096 applies
         out["sliding_window"] = cfg.sliding_window
+        if cfg.sliding_window is not None and cfg.layer_types is not None:  # read as Ministral: per-layer windows
+            out["layer_types"] = list(cfg.layer_types)
+    elif arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.sliding_window is not None:
+        raise ValueError(f"{arch} cannot express a sliding window; save this model as MistralForCausalLM or "
+                         f"Qwen2ForCausalLM")
     return out
 
 

@@ -149,6 +149,30 @@ def test_saved_qwen3_and_biased_llama_read_back_by_transformers(transformers, ma
     assert (back(ids).logits - model(ids).logits).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("types", [["sliding_attention", "full_attention"], None, "null"])
+@torch.no_grad()
+def test_a_saved_mistral_keeps_its_window_layout(transformers, make_hf_model, edit_config, tmp_path, types):
+    """save_target refused a Mistral with layer_types (a Ministral-style layout), and wrote no sliding_window for
+    one whose window is null, which then read back (in specpipe and transformers) as Mistral's default 4096."""
+    model = make_hf_model("mistral_window", seed=8)
+    model.save_pretrained(tmp_path / "orig")
+    edit_config(tmp_path / "orig", **({"sliding_window": None} if types == "null" else {"layer_types": types}))
+    if types == "null":  # edit_config deletes a field given None: write the null by hand
+        raw = json.loads((tmp_path / "orig" / "config.json").read_text())
+        (tmp_path / "orig" / "config.json").write_text(json.dumps({**raw, "sliding_window": None}))
+    target = load_target(tmp_path / "orig")
+    save_target(target, None, tmp_path / "copy")
+    again = load_target(tmp_path / "copy")
+    layout = [target.config.window_of(i) for i in range(2)]
+    assert [again.config.window_of(i) for i in range(2)] == layout == (
+        [None, None] if types == "null" else [5, None] if types else [5, 5])
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "copy").eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "orig").eval()
+    ids = torch.randint(0, 300, (1, T), generator=torch.Generator().manual_seed(9))
+    assert (back(ids).logits - ref(ids).logits).abs().max().item() <= TOL
+    assert (again.logits(again(ids)) - ref(ids).logits).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize("fields", [
     {"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},  # the dict's wins
     {"original_max_position_embeddings": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
