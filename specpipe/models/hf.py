@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -612,8 +613,6 @@ def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: st
     unapplied = unapplied_generation_settings(folder)
     if unapplied:  # say so once, where the weights load: outputs will differ from HF generate's
         target.config.extra["unapplied_generation_settings"] = unapplied
-        import sys
-
         how = " unless sampling.from_model=true" if list(unapplied) == ["repetition_penalty"] else ""
         when = [k for k in unapplied if k in UNAPPLIED_SAMPLING]
         hf = "HF generate does, greedy included" if not when else "HF generate does when sampling" \
@@ -623,8 +622,6 @@ def load_hf(path: str | Path, draft_path: Optional[str | Path] = None, dtype: st
               f"({hf}), so outputs can differ from HF's", file=sys.stderr)
     window = target.config.extra.get("unapplied_sliding_window")
     if window is not None:
-        import sys
-
         print(f"specpipe: note: {folder / 'config.json'} sets sliding_window={window} on a Llama model, whose "
               f"attention has no window (vLLM ignores the field too), so every layer attends to the whole context; "
               f"transformers' generate trims its cache to the window, so its outputs can differ past {window} tokens",

@@ -57,8 +57,8 @@ def _drop_parallel_draft_heads(raw: dict, file: Path, tensors: dict, origin: dic
     for n in extra:
         del tensors[n]
         origin.pop(n, None)
-    step = (raw.get("eagle_config") or {}).get("parallel_draft_step") if isinstance(raw.get("eagle_config"), dict) \
-        else None
+    eagle_config = raw.get("eagle_config")
+    step = eagle_config.get("parallel_draft_step") if isinstance(eagle_config, dict) else None
     heads = len({n.split(".")[1] for n in extra if n.split(".")[1].isdigit()})
     print(f"specpipe: note: {file.parent} holds {heads or 'its'} Medusa-style parallel draft head"
           f"{'' if heads == 1 else 's'} (parallel_draft_heads.*{f', parallel_draft_step={step}' if step else ''}) "
