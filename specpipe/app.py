@@ -149,10 +149,30 @@ def workload_slots(cfg: DictConfig, reqs: list[Request]) -> int:
     return running_batch(cfg, reqs) * (-(-max(live) // ps) * ps + one_request_slots(cfg))
 
 
-def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None):
+SWA_PREFILL_TOKENS = 2048  # prompt tokens a null swa_num_slots leaves each row beyond its window (sglang's chunk)
+
+
+def window_pool_slots(cfg: DictConfig, reqs: list[Request], full_slots: int, context: int) -> int:
+    """allocator=swa's window pool when `swa_num_slots` is null: `batch_size` rows of what one keeps there (its
+    window, one step's draft and verify space) plus SWA_PREFILL_TOKENS of prompt; never more than the full pool.
+
+    A window pool as large as the full pool saves nothing; this one stops growing with the context, so a long
+    context costs sliding layers a window, not its length. A prompt up to window + 2048 tokens still prefills in
+    one forward, a longer one in chunks of about 2048 (each frees what left the window before the next)."""
+    ps = cfg.allocator.page_size
+    window = min(cfg.allocator.window, context)
+    row = -(-window // ps) * ps + -(-SWA_PREFILL_TOKENS // ps) * ps + one_request_slots(cfg, new_tokens=0)
+    return min(full_slots, running_batch(cfg, reqs) * row)
+
+
+def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None, window_slots: Optional[int] = None):
+    """The configured allocator; `num_slots` and `window_slots` stand in for a null allocator.num_slots and
+    allocator.swa_num_slots."""
     kwargs = {"device": device.torch_device}
     if cfg.allocator.num_slots is None:
         kwargs["num_slots"] = num_slots
+    if window_slots is not None and "swa_num_slots" in cfg.allocator and cfg.allocator.swa_num_slots is None:
+        kwargs["swa_num_slots"] = window_slots
     target = cfg.allocator._target_
     from hydra.utils import get_method
     params = inspect.signature(get_method(target)).parameters
@@ -529,7 +549,10 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     models_digest = model_files_digest(folders)
     carried = carry_finished(earlier, job_cfg, items, reqs, pair.target.config.vocab_size, models_digest)
     try:
-        allocator = build_allocator(cfg, device, workload_slots(cfg, reqs))
+        full_slots = cfg.allocator.num_slots or workload_slots(cfg, reqs)
+        window_slots = window_pool_slots(cfg, reqs, full_slots, pair.target.config.max_position_embeddings) \
+            if cfg.allocator.get("_target_", "").endswith("SWAAllocator") else None
+        allocator = build_allocator(cfg, device, full_slots, window_slots)
         pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
         for model in drafting:
             model.setup_kv(allocator.pool_slots)
@@ -588,6 +611,7 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     summary["kv_peak_slots"] = int(pipe.prep.peak_used)
     summary["kv_pool_slots"] = int(allocator.main_pool.size)  # what num_slots=null resolved to
     summary["kv_leaked_slots"] = leaked_slots(allocator)
+    summary["kv_cache_bytes"] = sum(m.kv.nbytes for m in (pair.target, *drafting))  # what swa's window pool saves
     summary.update(pipe.prep.stats())  # allocator-specific: SWA evictions, HiSparse hit rate / bytes moved
     sp = cfg.sampling
     summary["sampling"] = {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k,

@@ -68,7 +68,7 @@ class PagedAllocatorConf(AllocatorConf):
 class SWAAllocatorConf(AllocatorConf):
     _target_: str = "specpipe.allocators.swa.SWAAllocator"
     window: Optional[int] = None  # tokens the window pool keeps per request; null: the model's sliding window
-    swa_num_slots: Optional[int] = None  # window-pool size (None: same as num_slots)
+    swa_num_slots: Optional[int] = None  # window-pool size (None: batch_size rows of a window, a step and a 2048-token prefill chunk, at most num_slots)
 
 
 @dataclass

@@ -232,7 +232,7 @@ def validate(cfg: DictConfig) -> None:
                           f"use allocator.num_slots>={need}")
     swa_slots = a.get("swa_num_slots")
     if swa_slots is not None and swa_slots < 1:
-        errors.append(f"allocator.swa_num_slots={swa_slots} must be positive (or null: the same as num_slots)")
+        errors.append(f"allocator.swa_num_slots={swa_slots} must be positive (or null: sized for batch_size windows plus a prefill chunk)")
     if "window" in a and a.window is not None and a.window < 1:
         errors.append(f"allocator.window={a.window} must be >= 1 (tokens a sliding-window layer sees; null takes the "
                       f"model's own sliding_window)")

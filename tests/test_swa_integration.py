@@ -257,3 +257,33 @@ def test_the_smallest_valid_window_pool_runs_prompts_of_any_length(tmp_path, dra
     base = run(compose(*over[:-6], "draft=none", f"workload.max_new_tokens={new}", f"workload.prompts_file={path}"),
                quiet=True)
     assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in base["requests"]]
+
+
+def test_a_null_window_pool_holds_windows_and_a_prefill_chunk_not_whole_contexts(tmp_path):
+    """swa_num_slots=null made the window pool as large as the full pool, so allocator=swa saved no memory. It is
+    now sized for batch_size rows of a window, one step's space and a 2048-token prefill chunk: long prompts
+    prefill in chunks and decode to the target's own greedy output with a smaller KV cache."""
+    from specpipe.app import SWA_PREFILL_TOKENS
+    from specpipe.validate import one_request_slots
+
+    prompts = write_prompts(tmp_path / "long.jsonl", random_prompts(5, [4500, 3000, 30]))
+    over = ("model.max_position=8192", "workload.max_new_tokens=12", "workload.batch_size=2")
+    want, base = decode(prompts, "alternate", "draft=none", "allocator=token", *over)
+    cfg_over = (*over, "allocator=swa", "allocator.page_size=16", "allocator.debug=true")
+    got, m = decode(prompts, "alternate", "draft=eagle", *cfg_over)
+    assert got == want and m["num_errors"] == 0
+    row = 16 + SWA_PREFILL_TOKENS + one_request_slots(compose("model=random_tiny", "draft=eagle", *cfg_over),
+                                                      new_tokens=0)
+    assert m["swa_window_pool_slots"] == 2 * row < m["kv_pool_slots"] // 2  # not the full pool's size
+    assert m["swa_chunked_prefills"] >= 1 and m["swa_window_peak_slots"] <= 2 * row
+    assert m["kv_leaked_slots"] == 0 and m["kv_window_leaked_slots"] == 0
+    # one of the target's two layers slides: its K/V shrinks from the full pool's ~9100 slots to ~4200
+    got, m = decode(prompts, "alternate", "draft=none", *cfg_over)
+    assert got == want and m["kv_cache_bytes"] < 0.8 * base["kv_cache_bytes"]
+    # never more than the full pool: short requests' window pool is the full pool's size, as before
+    few = write_prompts(tmp_path / "short.jsonl", random_prompts(6, [30, 50]))
+    short = decode(few, "alternate", "draft=none", "allocator=swa", *over[1:])[1]
+    assert short["swa_window_pool_slots"] == short["kv_pool_slots"]
+    # an explicit num_slots sizes the full pool only
+    big = decode(few, "alternate", "draft=none", "allocator=swa", "allocator.num_slots=50000", *over[1:])[1]
+    assert big["kv_pool_slots"] == 50000 and big["swa_window_pool_slots"] < 5000

@@ -54,6 +54,11 @@ class KVPool:
         return self._window_slots
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage (every layer's, window-pool layers at their smaller size)."""
+        return sum(t.nbytes for t in (*self.keys, *self.values))
+
+    @property
     def has_window(self) -> bool:
         return any(self.windowed)
 
