@@ -280,7 +280,7 @@ def build_proposer(cfg: DictConfig, pair, max_requests: int, max_context: int, d
         proposer = NgramProposer(d.topk, d.num_steps, d.num_draft_tokens, d.min_n, d.max_n, max_requests,
                                  max_context, device.torch_device, cache_tokens=d.get("cache_tokens", 0),
                                  cache_prompts=bool(d.get("cache_prompts", False)),
-                                 running_tokens=d.get("running_tokens", 0))
+                                 running_tokens=d.get("running_tokens", 0), host=device.host_memory)
         if keep is not None and proposer.cache is not None:
             key = ("suffix_cache", proposer.cache.capacity, str(device.torch_device))
             proposer.cache = keep.setdefault(key, proposer.cache)

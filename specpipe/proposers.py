@@ -15,6 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from specpipe.drafters import ngram_host
 from specpipe.drafters.ngram import SEP, NgramDrafter
 from specpipe.drafters.suffix import SuffixCache
 from specpipe.models.attention_batch import extend_batch
@@ -130,11 +131,14 @@ class NgramProposer:
     With cache_tokens > 0 it also matches in a `SuffixCache` of the newest finished requests'
     outputs (and prompts, with cache_prompts): suffix decoding across requests. With running_tokens > 0
     it also matches in the other running requests' histories (their newest running_tokens // B tokens
-    each), so requests decoded together draft from one another."""
+    each), so requests decoded together draft from one another.
+
+    With `host` (a device whose tensors are host memory) the matching runs in numpy on a view of the same
+    history (`drafters.ngram_host`): the same trees, without some 250 op dispatches per step."""
 
     def __init__(self, topk: int, num_steps: int, num_draft_tokens: int, min_n: int, max_n: int,
                  max_requests: int, max_context: int, device, cache_tokens: int = 0, cache_prompts: bool = False,
-                 running_tokens: int = 0):
+                 running_tokens: int = 0, host: bool = False):
         self.drafter = NgramDrafter(num_steps, topk, num_draft_tokens, min_n, max_n)
         self.cache = SuffixCache(cache_tokens, device) if cache_tokens > 0 else None
         self.cache_prompts = cache_prompts
@@ -144,6 +148,7 @@ class NgramProposer:
         self.S = num_steps
         self.tokens = torch.zeros((max_requests, max_context + num_steps + 2), dtype=torch.int64,
                                   device=device)  # [R, C] token history per table row
+        self.host = self.tokens.numpy() if host else None  # the same memory, read by numpy
         self.stages = []
 
     def join(self, pipe, reqs, pf, first) -> None:
@@ -167,6 +172,13 @@ class NgramProposer:
 
     def propose(self, pipe, rows_t, L, L_t):
         width = int(L.max()) + 1
+        if self.host is not None:
+            ctx = self.host[pipe.rows, :width]
+            corpus = None if self.cache is None else self.cache.host_tokens
+            if self.running_tokens > 0 and len(L) > 1:
+                corpus = self.running_corpus_host(ctx, L, corpus)
+            tokens, parent = ngram_host.propose(self.drafter, ctx, L + 1, corpus)
+            return ngram_host.tree_from_parents(tokens, parent, L_t, self.S), None
         ctx = self.tokens[rows_t, :width]
         corpus = None if self.cache is None else self.cache.tokens
         if self.running_tokens > 0 and len(L) > 1:
@@ -192,6 +204,20 @@ class NgramProposer:
         if cache_tokens is None or not cache_tokens.numel():
             return rows
         return torch.cat([cache_tokens.to(torch.int32).expand(B, -1), rows], 1)
+
+    def running_corpus_host(self, ctx: np.ndarray, L: np.ndarray, cache_tokens) -> np.ndarray:
+        """`running_corpus` on host arrays."""
+        B = len(L)
+        n = np.minimum(L + 1, max(1, self.running_tokens // B))
+        Lr = int((n + 1).sum())
+        seg = np.repeat(np.arange(B), n + 1)
+        off = np.arange(Lr) - np.repeat(np.cumsum(n + 1) - (n + 1), n + 1)
+        col = np.minimum(np.repeat(L + 1 - n, n + 1) + off, ctx.shape[1] - 1)
+        flat = np.where(off == np.repeat(n, n + 1), SEP, ctx[seg, col]).astype(np.int32)
+        rows = np.where(seg[None, :] == np.arange(B)[:, None], SEP, flat).astype(np.int32)
+        if cache_tokens is None or not cache_tokens.size:
+            return rows
+        return np.concatenate([np.broadcast_to(cache_tokens, (B, cache_tokens.shape[0])), rows], 1)
 
     def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
         d = torch.arange(commit.shape[1], device=commit.device)

@@ -146,6 +146,7 @@ class Device:
     allocator_kernels = "torch"  # which allocator kernels pay on this device
     default_dtype = "float32"
     times_weight_layout = False  # weight_layout=auto times both layouts (CPU GEMMs); else it keeps HF's (row)
+    host_memory = False  # its tensors are host memory: host code (numpy) reads them in place, with no copy or sync
 
     def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None,
                  weight_layout: str = "auto"):

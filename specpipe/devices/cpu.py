@@ -17,6 +17,7 @@ class CpuDevice(Device):
     capabilities = frozenset({"inductor"})
     allocator_kernels = "torch"
     default_dtype = "float32"
+    host_memory = True  # the n-gram drafter matches in numpy on the token history itself (drafters/ngram_host.py)
     times_weight_layout = True  # MKL's speed depends on the weight layout, by shape (devices/weight_layout.py)
 
     def make_torch_device(self, index: int) -> torch.device:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from specpipe.drafters.ngram import SEP
@@ -26,6 +27,7 @@ class SuffixCache:
         self.capacity = capacity
         self.device = device
         self.tokens = torch.empty(0, dtype=torch.int32, device=device)  # [Lc] texts, each followed by SEP
+        self.host_tokens = np.empty(0, dtype=np.int32)  # the same on the host (the numpy n-gram drafter reads it)
         self._lengths: deque[int] = deque()  # per text, its separator included, oldest first
         self.texts_added = 0
 
@@ -38,12 +40,15 @@ class SuffixCache:
         if keep < 1 or not len(ids):
             return
         text = list(ids)[-keep:]
-        seg = torch.as_tensor(text + [SEP], dtype=torch.int32).to(self.device)
+        host = np.asarray(text + [SEP], dtype=np.int32)
+        seg = torch.from_numpy(host).to(self.device)
         self.tokens = torch.cat([self.tokens, seg])
+        self.host_tokens = np.concatenate([self.host_tokens, host])
         self._lengths.append(len(seg))
         drop = 0
         while self.tokens.numel() - drop > self.capacity:
             drop += self._lengths.popleft()
         if drop:
             self.tokens = self.tokens[drop:].clone()  # clone: let the dropped prefix's memory go
+            self.host_tokens = self.host_tokens[drop:].copy()
         self.texts_added += 1

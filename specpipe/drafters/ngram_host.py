@@ -1,0 +1,129 @@
+"""`NgramDrafter.propose` in numpy, for token histories that live in host memory.
+
+The torch version is some 250 small ops per step; on the host each costs a dispatch (~4 µs at batch 1), so
+matching took 1.1 ms of a 12 ms step on the shipped pair. The same arithmetic in numpy takes a fraction of
+that. It is a port, not a variant: the same scores, votes and tie-breaks give the same `Tree`
+(tests/drafters/test_ngram_host.py compares the two on random histories). Where the history lives on an
+accelerator the torch version runs there instead (`Device.host_memory`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specpipe.drafters.ngram import SEP, NgramDrafter
+from specpipe.stages.build_tree import Tree
+
+
+def match_lengths(context: np.ndarray, lengths: np.ndarray, max_n: int) -> np.ndarray:
+    """[B, L] uint8: for each continuation start c, how many (<= max_n) tokens before c equal the tail."""
+    B, L = context.shape
+    rows = np.arange(B)
+    run = np.ones((B, L), dtype=bool)
+    n = np.zeros((B, L), dtype=np.uint8)
+    for t in range(min(max_n, L - 1)):
+        s = lengths - 1 - t
+        tail = context[rows, np.maximum(s, 0)][:, None]  # [B, 1]
+        eq = (context[:, : L - 1 - t] == tail) & ((s >= 0)[:, None] & (tail != SEP))
+        shifted = np.zeros((B, L), dtype=bool)
+        shifted[:, t + 1:] = run[:, t + 1:] & eq
+        run = shifted
+        n += run
+    return n
+
+
+def candidates(d: NgramDrafter, context: np.ndarray, lengths: np.ndarray):
+    """`NgramDrafter.candidates`: windows [B, M, S], their lengths [B, M], match lengths [B, M]."""
+    B, L = context.shape
+    S, M = d.S, d.M
+    pos = np.arange(L, dtype=np.int64)
+    ok = (pos >= 1)[None, :] & (pos[None, :] < lengths[:, None]) & (context != SEP)
+    n = match_lengths(context, lengths, d.max_n)
+    n = n * (ok & (n >= d.min_n))
+    score = n.astype(np.int64) * (L + 1) + pos  # distinct per position: the order below is unique
+    k = min(L, M)
+    c = np.argpartition(-score, k - 1, axis=1)[:, :k] if k < L else np.broadcast_to(pos, (B, L)).copy()
+    top = np.take_along_axis(score, c, 1)
+    order = np.argsort(-top, axis=1, kind="stable")
+    top, c = np.take_along_axis(top, order, 1), np.take_along_axis(c, order, 1)
+    if k < M:
+        top = np.concatenate([top, np.zeros((B, M - k), np.int64)], 1)
+        c = np.concatenate([c, np.zeros((B, M - k), np.int64)], 1)
+    cval = top > L
+    t = np.arange(S)
+    idx = c[:, :, None] + t  # [B, M, S]
+    wlen = np.where(cval, np.minimum(lengths[:, None] - c, S), 0)
+    inside = t < wlen[:, :, None]
+    win = np.where(inside, np.take_along_axis(context, np.minimum(idx, L - 1).reshape(B, -1), 1).reshape(B, M, S),
+                   SEP)
+    inside = np.cumprod(win != SEP, axis=-1, dtype=np.int64)  # a continuation ends at its segment's separator
+    win = np.where(inside > 0, win, SEP)
+    return win, inside.sum(-1), np.where(cval, top // (L + 1), 0)
+
+
+def propose(d: NgramDrafter, context: np.ndarray, lengths: np.ndarray,
+            corpus: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, N], local parents [B, N]) of `NgramDrafter.propose` for the same inputs, as int64 arrays."""
+    B = context.shape[0]
+    context = context.astype(np.int32, copy=False)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if corpus is not None and corpus.size:
+        corpus = corpus.astype(np.int32, copy=False)
+        context = np.concatenate([np.broadcast_to(corpus, (B, corpus.shape[-1])), context], 1)
+        lengths = lengths + corpus.shape[-1]
+    S, N, M = d.S, d.N, d.M
+    win, wlen, n = candidates(d, context, lengths)
+    t = np.arange(S)
+    valid = t < wlen[:, :, None]
+    same = (np.cumprod(win[:, :, None, :] == win[:, None, :, :], axis=-1, dtype=np.int64).astype(bool)
+            & valid[:, :, None, :] & valid[:, None, :, :])  # [B, M, M, S]
+    canon = same.argmax(2)  # [B, M, S] best-ranked match through this node
+    mm = np.arange(M)
+    own = valid & (canon == mm[None, :, None])
+    votes = np.left_shift(np.int64(1), np.minimum(n, 30)) * (wlen > 0)  # [B, M]
+    count = (same * votes[:, None, :, None]).sum(2)  # [B, M, S]
+    order = (M * S) - (mm[:, None] * S + t[None, :])
+    key = np.where(own, count * (M * S + 1) + order, -1).reshape(B, M * S)
+    pick = np.argsort(-key, axis=1, kind="stable")[:, : N - 1]  # the N-1 best, parents before children
+    top = np.take_along_axis(key, pick, 1)
+    picked = top >= 0
+    local = np.full((B, M * S + 1), -1, dtype=np.int64)
+    np.put_along_axis(local, np.where(picked, pick, M * S), np.broadcast_to(np.arange(1, N), (B, N - 1)), 1)
+    local[:, M * S] = -1
+    pm, pt = pick // S, pick % S
+    prev = np.maximum(pt - 1, 0)
+    up = canon[np.arange(B)[:, None], pm, prev]  # the parent node's canonical match
+    par = np.where(pt > 0, np.take_along_axis(local, up * S + prev, 1), 0)
+    root = context[np.arange(B), np.maximum(lengths - 1, 0)][:, None].astype(np.int64)
+    tok = np.take_along_axis(win.reshape(B, M * S), pick, 1)
+    tokens = np.concatenate([root, np.where(picked, tok, root)], 1).astype(np.int64)
+    parent = np.concatenate([np.full((B, 1), -1, np.int64), np.where(picked, par, -1)], 1)
+    return tokens, parent
+
+
+def tree_from_parents(tokens: np.ndarray, parent: np.ndarray, seq_lens: Tensor, max_depth: int) -> Tree:
+    """`drafters.tree.tree_from_parents` on host arrays; the `Tree`'s tensors share their memory."""
+    B, N = tokens.shape
+    ar = np.arange(N)
+    eye = ar[:, None] == ar[None, :]
+    anc = (parent[:, :, None] == ar) | eye  # [B, N, N]
+    for _ in range(max(1, max_depth - 1).bit_length()):
+        anc = np.matmul(anc.astype(np.float32), anc.astype(np.float32)) > 0
+    depth = anc.sum(-1) - 1
+    reach = anc[:, :, 0] & (depth <= max_depth)
+    anc = anc & reach[:, :, None] | eye
+    depth = np.where(reach, depth, 0).astype(np.int64)
+    parent = np.where(reach, parent, -1)
+    child = parent[:, None, :] == ar[None, :, None]
+    first = np.where(child, ar, N).min(-1)
+    sib = (parent[:, :, None] == parent[:, None, :]) & (ar[None, None, :] > ar[None, :, None]) \
+        & (parent[:, :, None] >= 0)
+    nsib = np.where(sib, ar, N).min(-1)
+    t = torch.from_numpy
+    return Tree(tokens=t(tokens), positions=seq_lens[:, None] + t(depth), mask=t(anc), parent=t(parent),
+                depth=t(depth), next_token=t(np.where(first < N, first, -1).astype(np.int64)),
+                next_sibling=t(np.where(nsib < N, nsib, -1).astype(np.int64)),
+                retrieve_index=t(np.arange(B)[:, None] * N + ar))
