@@ -49,7 +49,11 @@ class BuildTree(Stage):
         K, N = self.topk, self.num_draft_tokens
         B = verified_id.shape[0]
         dev = verified_id.device
-        sel = scores.topk(N - 1, dim=-1).indices.sort(dim=-1).values  # [B, N-1] ascending global ids
+        # the N-1 best, ties to the lower id: a node never scores above its parent and comes after it, so a kept node's
+        # parent is kept too. topk breaks ties arbitrarily: a sampled chain whose draft was sure of a token (q = 1)
+        # lost a node in the middle, by the value of the token drafted there, and was no longer lossless
+        sel = scores.sort(dim=-1, descending=True, stable=True).indices[:, : N - 1]
+        sel = sel.sort(dim=-1).values  # [B, N-1] ascending global ids
         draft = tokens.gather(1, sel)  # [B, N-1]
         if parent_list.shape[1] == 0:  # one draft step: every node is a child of the root
             pg = torch.full_like(sel, -1)

@@ -62,3 +62,16 @@ def test_batch_positions_follow_each_request_length():
     out = t.build(torch.tensor([1, 2]), torch.tensor([[0.9, 0.8], [0.7, 0.6]]), torch.tensor([[3, 4], [5, 6]]),
                   torch.tensor([[-1, 0], [-1, 0]]), torch.tensor([5, 10]))
     assert out[1].tolist() == [[5, 6, 7], [10, 11, 12]]
+
+
+def test_tied_scores_keep_the_lower_id_so_no_parent_is_dropped():
+    """A chain (topk=1, 4 steps) cut to 2 draft nodes whose scores tie after the first (the draft was sure of
+    the next tokens): the two kept are the chain's first two, linked root -> 1 -> 2, whatever topk's tie order."""
+    from specpipe.stages.build_tree import BuildTree
+
+    scores = [torch.tensor([[0.5]]), torch.tensor([[0.3]]), torch.tensor([[0.3]]), torch.tensor([[0.3]])]
+    tokens = [torch.tensor([[11]]), torch.tensor([[12]]), torch.tensor([[13]]), torch.tensor([[14]])]
+    parents = [torch.tensor([[-1, 0]]), torch.tensor([[1]]), torch.tensor([[2]]), torch.tensor([[3]])]
+    tree = BuildTree(1, 4, 3)(torch.tensor([7]), scores, tokens, parents, torch.tensor([5]))
+    assert tree.tokens.tolist() == [[7, 11, 12]] and tree.parent.tolist() == [[-1, 0, 1]]
+    assert tree.depth.tolist() == [[0, 1, 2]]

@@ -10,6 +10,7 @@ chi-square check (one per parameter group) is alpha = 1e-4, about 0.25% for the 
 file, and the deliberately wrong verifiers give p-values below 1e-9 (0.0 in practice).
 """
 import math
+import sys
 
 import pytest
 import torch
@@ -138,6 +139,23 @@ def test_chi2_sf_matches_tables():
 def test_speculative_sampling_matches_target(K, S, N, T, V, sampled, rejection):
     out, sp, tl = simulate(K, S, N, T, V, sampled, rejection)
     assert check(out, sp, tl, V, T) > ALPHA
+
+
+def test_a_sampled_chain_cut_short_stays_lossless_when_the_draft_is_sure(monkeypatch):
+    """Running products of draft probabilities tie where the draft is sure of a token (q = 1.0: after top_p, min_p or
+    top_k leave it one). BuildTree kept the N-1 best with topk, which broke the tie arbitrarily: a chain cut to
+    N < S+1 nodes dropped a middle node depending on the token drafted before it (chi-square p = 0, TV 0.2)."""
+    plain = tables
+
+    def sure_after_some(V: int, seed: int = 0):
+        target, draft = plain(V, seed)
+        draft[:3] = 0.0
+        draft[:3, 0] = 100.0  # after tokens 0, 1 and 2 the draft proposes token 0 with q = 1.0 exactly
+        return target, draft
+
+    monkeypatch.setattr(sys.modules[__name__], "tables", sure_after_some)
+    out, sp, tl = simulate(1, 4, 3, 2, 6, sampled=True, rejection=True)
+    assert check(out, sp, tl, 6, 2) > ALPHA
 
 
 def test_target_only_sampling_matches_target():
