@@ -87,8 +87,7 @@ class EagleProposer:
         size symbol): such a head decodes eagerly, as it prefills."""
         if self._decode_fn is None:
             fwd = self.draft_fwd
-            self._decode_fn = partial(type(fwd).decode, fwd) if self.windowed and "decode" in getattr(
-                fwd, "wrapped", ()) else fwd.decode
+            self._decode_fn = fwd.decode
         return self._decode_fn
 
     def propose(self, pipe, rows_t, L, L_t):

@@ -162,9 +162,10 @@ def test_a_compiled_draft_extend_with_sliding_window_layers_does_not_recompile_p
 
 
 @pytest.mark.parametrize("window", [None, 8])
-def test_a_sliding_window_heads_compiled_decode_runs_eager(prompts_file, window):
+def test_a_sliding_window_heads_draft_decode_compiles(prompts_file, window):
     """Inductor's code for a sliding-window head's draft decode failed at its first call (NameError: name 's27'
-    is not defined): such a head decodes eagerly, as it prefills; a head without windows still compiles it."""
+    is not defined), so such a head decoded eagerly: the attention now tells the compiler that its output slots and
+    queries have one length, and the windowed decode compiles as the dense one does."""
     from specpipe.app import run
 
     path = prompts_file(["def f(x):", "class A:\n    pass"])
@@ -173,7 +174,7 @@ def test_a_sliding_window_heads_compiled_decode_runs_eager(prompts_file, window)
     eager = run(compose(*base), quiet=True)["requests"]
     out = run(compose(*base, f"compile.draft_forward.decode={AOT}"), quiet=True)
     assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in eager]
-    assert (out["metrics"]["recompiles"] == 0) == (window is not None), out["metrics"]["recompiles"]
+    assert 0 < out["metrics"]["recompiles"] <= 2, out["metrics"]["recompiles"]
 
 
 def test_a_branch_past_dynamos_recompile_limit_is_reported(prompts_file):
@@ -209,3 +210,18 @@ def test_a_compiled_draft_extend_at_batch_1_does_not_recompile_when_the_context_
     graphs = seen["graphs"]
     assert graphs[WARMUP_STEPS - 1] > seen["graphs_before"]
     assert graphs[-1] == graphs[WARMUP_STEPS - 1], f"graph count per step: {graphs}"
+
+
+@pytest.mark.parametrize("allocator", ["token", "swa"])
+def test_a_compiled_target_forward_serves_sliding_window_layers(prompts_file, allocator):
+    """With inductor, a compiled target forward of a model with sliding-window layers failed at its first verify
+    (NameError: name 's59' is not defined: a guard on the batch's out_slots length, a symbol inductor never bound)."""
+    from specpipe.app import run
+
+    path = prompts_file(["def f(x):\n    return x", "class A:"])
+    base = ["model=random_tiny", "model.sliding_window=8", f"allocator={allocator}", "compile=eager",
+            f"workload.prompts_file={path}", "workload.max_new_tokens=10", "model_timing=false"]
+    eager = run(compose(*base), quiet=True)["requests"]
+    out = run(compose(*base, "compile.verify.target_forward=compile"), quiet=True)
+    assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in eager]
+    assert out["metrics"]["recompiles"] >= 1 and out["metrics"]["num_errors"] == 0

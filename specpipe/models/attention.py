@@ -242,6 +242,9 @@ class Attention(nn.Module):
                 raise RuntimeError(f"layer {layer} keeps its K/V in the window pool, but the batch has no "
                                    "window-pool slots (build it through PrepareDecode.decorate with allocator=swa)")
             out_slots = batch.swa_out_slots
+        # one query length: out_slots' and q's are separate symbols in a compiled forward (no duck sizing), and inductor
+        # emitted a guard on out_slots' that it never bound ("NameError: name 's59' is not defined") on windowed layers
+        torch._check(out_slots.shape[1] == q.shape[1])
         ks, vs = kv.layer(layer)
         flat = out_slots.reshape(-1)
         ks.index_copy_(0, flat, k.reshape(-1, self.n_kv, self.hd).to(ks.dtype))
