@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from specpipe.resume import META, PARTIAL
 from specpipe.schema import is_number
-from specpipe.validate import expand_user_paths, to_container
+from specpipe.validate import PATH_KEYS, expand_user_paths, to_container
 
 COLLIDED: list = []  # this process's sweep: why each job that found its folder taken was skipped
 
@@ -205,12 +205,20 @@ def config_differences(stored: dict, current: dict, job: Optional[DictConfig] = 
                 known, default = schema_default(job, path + (k,))
                 if not (known and default == b[k]):
                     out.append((".".join(path + (k,)), None, b[k]))
-        elif a != b:
+        elif a != b and not same_file(".".join(path), a, b):
             out.append((".".join(path), a, b))
 
     strip = lambda c: {k: v for k, v in c.items() if k not in NOT_RUN_KEYS}  # noqa: E731
     walk(strip(stored), strip(current), ())
     return out
+
+
+def same_file(key: str, a: Any, b: Any) -> bool:
+    """Whether two values of a path setting name one file from here (relative and absolute, through a symlink). The
+    path is only the name: what resume relies on, the prompts' and the model files' contents, is compared apart."""
+    if key not in PATH_KEYS or not (isinstance(a, str) and isinstance(b, str)) or "-" in (a, b):
+        return False
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 def _same_run(stored: dict, current: dict, job: Optional[DictConfig] = None) -> bool:

@@ -132,6 +132,25 @@ def test_records_of_another_run_are_never_taken(tmp_path, pair, monkeypatch, cap
     assert m["resumed_requests"] == 0 and f"resume: {out}: " in err and why in err and "every request runs again" in err
 
 
+def test_the_same_prompts_file_named_another_way_resumes(tmp_path, pair, monkeypatch, capsys):
+    """workload.prompts_file given relative in one run and absolute in the other (or through a symlink) names the
+    same file: it was a changed setting, and every request ran again. The prompts themselves are compared anyway."""
+    path = prompts(tmp_path)
+    out = tmp_path / "run"
+    run_stopped(monkeypatch, 12, out, pair, *tiny(path))
+    kept = [r for r in records(out / PARTIAL) if r["finish_reason"] != "error"]
+    (tmp_path / "link").symlink_to(tmp_path)
+    monkeypatch.chdir(tmp_path / "link")
+    capsys.readouterr()
+    m = run(compose(*tiny("p.jsonl"), "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
+    assert m["resumed_requests"] == len(kept) > 0, capsys.readouterr().err
+    other = tmp_path / "q.jsonl"  # another file with other prompts still runs everything again
+    other.write_text(path.read_text().replace('{"prompt": ""}', '{"prompt": "x"}'))
+    run_stopped(monkeypatch, 12, out, pair, *tiny(path))
+    m = run(compose(*tiny(other), "resume=true"), out_dir=str(out), quiet=True, pair=pair)["metrics"]
+    assert m["resumed_requests"] == 0
+
+
 def test_damaged_records_decode_again(tmp_path, pair, monkeypatch):
     """A line cut by a kill, a record of a failed request, ids outside the vocabulary or a record whose prompt
     is not the request's: those requests decode again; the sound records are kept."""
