@@ -82,9 +82,8 @@ class EagleProposer:
         return draft_columns("eagle", self.S)
 
     def _decode(self):
-        """The draft decode the rounds call, resolved once after the stage's branches were bound. Inductor's code
-        for a sliding-window head's decode (unbacked batch size) fails at its first call (NameError on an unbound
-        size symbol): such a head decodes eagerly, as it prefills."""
+        """The draft decode the rounds call, resolved once after the stage's branches were bound (compiled or eager
+        as the policy says, a sliding-window head's too)."""
         if self._decode_fn is None:
             fwd = self.draft_fwd
             self._decode_fn = fwd.decode
