@@ -27,7 +27,8 @@ from specpipe.stages.prepare_decode import check_sparse_model, check_window_pool
 from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.stop_strings import StopStrings
-from specpipe.validate import one_request_slots, run_stop_strings, to_container, validate, window_problems
+from specpipe.validate import one_request_slots, run_stop_strings, to_container, validate, window_problems, \
+    window_row_slots
 from specpipe.workload import load_prompts
 
 
@@ -160,8 +161,7 @@ def window_pool_slots(cfg: DictConfig, reqs: list[Request], full_slots: int, con
     context costs sliding layers a window, not its length. A prompt up to window + 2048 tokens still prefills in
     one forward, a longer one in chunks of about 2048 (each frees what left the window before the next)."""
     ps = cfg.allocator.page_size
-    window = min(cfg.allocator.window, context)
-    row = -(-window // ps) * ps + -(-SWA_PREFILL_TOKENS // ps) * ps + one_request_slots(cfg, new_tokens=0)
+    row = window_row_slots(cfg, cfg.allocator.window, context) + -(-SWA_PREFILL_TOKENS // ps) * ps
     return min(full_slots, running_batch(cfg, reqs) * row)
 
 
@@ -171,7 +171,7 @@ def build_allocator(cfg: DictConfig, device, num_slots: Optional[int] = None, wi
     kwargs = {"device": device.torch_device}
     if cfg.allocator.num_slots is None:
         kwargs["num_slots"] = num_slots
-    if window_slots is not None and "swa_num_slots" in cfg.allocator and cfg.allocator.swa_num_slots is None:
+    if window_slots is not None and cfg.allocator.get("swa_num_slots") is None:
         kwargs["swa_num_slots"] = window_slots
     target = cfg.allocator._target_
     from hydra.utils import get_method

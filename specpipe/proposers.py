@@ -183,22 +183,25 @@ class NgramProposer:
             corpus = self.running_corpus(ctx, L, corpus)
         return self.drafter.propose(ctx, L_t + 1, L_t, corpus), None
 
-    def running_corpus(self, ctx, L: np.ndarray, cache_tokens) -> torch.Tensor:
-        """[B, Lc + Lr] per-request corpus: the cache, then every running request's history (its newest
-        running_tokens // B tokens, root included, then SEP), with row b's own history blanked to SEP (its
-        own context is matched anyway, after the corpus). Index arithmetic on the host lengths L: no device read."""
+    def running_layout(self, L: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the running corpus's tokens come from, by index arithmetic on the host lengths L (no device read):
+        (seg [Lr] the request each position copies, col [Lr] its history column, sep [Lr] the SEP ending each)."""
         B = len(L)
         n = np.minimum(L + 1, max(1, self.running_tokens // B))  # tokens each history contributes
         Lr = int((n + 1).sum())
         seg = np.repeat(np.arange(B), n + 1)  # which request each corpus position comes from
         off = np.arange(Lr) - np.repeat(np.cumsum(n + 1) - (n + 1), n + 1)  # position inside its segment
-        col = np.minimum(np.repeat(L + 1 - n, n + 1) + off, ctx.shape[1] - 1)  # the newest n tokens of the row
-        dev = ctx.device
-        seg_t = torch.from_numpy(seg).to(dev)
-        flat = ctx[seg_t, torch.from_numpy(col).to(dev)].to(torch.int32)
-        sep = torch.from_numpy(off == np.repeat(n, n + 1)).to(dev)
-        flat = torch.where(sep, torch.full_like(flat, SEP), flat)
-        rows = torch.where(seg_t[None, :] == torch.arange(B, device=dev)[:, None], torch.full_like(flat, SEP), flat)
+        col = np.minimum(np.repeat(L + 1 - n, n + 1) + off, width - 1)  # the newest n tokens of the row
+        return seg, col, off == np.repeat(n, n + 1)
+
+    def running_corpus(self, ctx, L: np.ndarray, cache_tokens) -> torch.Tensor:
+        """[B, Lc + Lr] per-request corpus: the cache, then every running request's history (its newest
+        running_tokens // B tokens, root included, then SEP), with row b's own history blanked to SEP (its
+        own context is matched anyway, after the corpus)."""
+        B, dev = len(L), ctx.device
+        seg, col, sep = (torch.from_numpy(a).to(dev) for a in self.running_layout(L, ctx.shape[1]))
+        flat = torch.where(sep, torch.full_like(seg, SEP, dtype=torch.int32), ctx[seg, col].to(torch.int32))
+        rows = torch.where(seg[None, :] == torch.arange(B, device=dev)[:, None], torch.full_like(flat, SEP), flat)
         if cache_tokens is None or not cache_tokens.numel():
             return rows
         return torch.cat([cache_tokens.to(torch.int32).expand(B, -1), rows], 1)
@@ -206,12 +209,8 @@ class NgramProposer:
     def running_corpus_host(self, ctx: np.ndarray, L: np.ndarray, cache_tokens) -> np.ndarray:
         """`running_corpus` on host arrays."""
         B = len(L)
-        n = np.minimum(L + 1, max(1, self.running_tokens // B))
-        Lr = int((n + 1).sum())
-        seg = np.repeat(np.arange(B), n + 1)
-        off = np.arange(Lr) - np.repeat(np.cumsum(n + 1) - (n + 1), n + 1)
-        col = np.minimum(np.repeat(L + 1 - n, n + 1) + off, ctx.shape[1] - 1)
-        flat = np.where(off == np.repeat(n, n + 1), SEP, ctx[seg, col]).astype(np.int32)
+        seg, col, sep = self.running_layout(L, ctx.shape[1])
+        flat = np.where(sep, SEP, ctx[seg, col]).astype(np.int32)
         rows = np.where(seg[None, :] == np.arange(B)[:, None], SEP, flat).astype(np.int32)
         if cache_tokens is None or not cache_tokens.size:
             return rows

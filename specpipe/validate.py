@@ -287,12 +287,19 @@ def window_problems(cfg, window: int, model_window: bool = False, context: Optio
     if swa_slots is not None and swa_slots >= 1:
         # the window pool holds a request's newest window tokens plus a step's draft space: what a decode step and
         # a prefill run in chunks (a page at a time at worst) need, whatever the prompt's length
-        need = -(-min(window, context or window) // ps) * ps + one_request_slots(cfg, new_tokens=0)
+        need = window_row_slots(cfg, window, context)
         if swa_slots < need:
             errors.append(f"allocator.swa_num_slots={swa_slots} is smaller than one request needs in the window "
                           f"pool ({need} slots: {last} plus draft and verify space at page_size={ps}; a prompt "
                           f"of any length is prefilled in chunks within it); use allocator.swa_num_slots>={need}")
     return errors
+
+
+def window_row_slots(cfg, window: int, context: Optional[int] = None) -> int:
+    """Window-pool slots one request holds: its newest `window` tokens (at most the model's `context`, where known),
+    page-aligned, plus one step's draft and verify space."""
+    ps = cfg.allocator.page_size
+    return -(-min(window, context or window) // ps) * ps + one_request_slots(cfg, new_tokens=0)
 
 
 def one_request_slots(cfg, new_tokens: Optional[int] = None) -> int:

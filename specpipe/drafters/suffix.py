@@ -26,8 +26,8 @@ class SuffixCache:
             raise ValueError(f"cache capacity must be >= 0 tokens, got {capacity}")
         self.capacity = capacity
         self.device = device
-        self.tokens = torch.empty(0, dtype=torch.int32, device=device)  # [Lc] texts, each followed by SEP
-        self.host_tokens = np.empty(0, dtype=np.int32)  # the same on the host (the numpy n-gram drafter reads it)
+        self.host_tokens = np.empty(0, dtype=np.int32)  # [Lc] texts, each followed by SEP (the numpy drafter's)
+        self.tokens = torch.from_numpy(self.host_tokens).to(device)  # the same on the device (the same memory on a CPU)
         self._lengths: deque[int] = deque()  # per text, its separator included, oldest first
         self.texts_added = 0
 
@@ -40,15 +40,12 @@ class SuffixCache:
         if keep < 1 or not len(ids):
             return
         text = list(ids)[-keep:]
-        host = np.asarray(text + [SEP], dtype=np.int32)
-        seg = torch.from_numpy(host).to(self.device)
-        self.tokens = torch.cat([self.tokens, seg])
-        self.host_tokens = np.concatenate([self.host_tokens, host])
-        self._lengths.append(len(seg))
+        self.host_tokens = np.concatenate([self.host_tokens, np.asarray(text + [SEP], dtype=np.int32)])
+        self._lengths.append(len(text) + 1)
         drop = 0
-        while self.tokens.numel() - drop > self.capacity:
+        while self.host_tokens.size - drop > self.capacity:
             drop += self._lengths.popleft()
         if drop:
-            self.tokens = self.tokens[drop:].clone()  # clone: let the dropped prefix's memory go
-            self.host_tokens = self.host_tokens[drop:].copy()
+            self.host_tokens = self.host_tokens[drop:].copy()  # copy: let the dropped prefix's memory go
+        self.tokens = torch.from_numpy(self.host_tokens).to(self.device)  # (an upload per finished request elsewhere)
         self.texts_added += 1
