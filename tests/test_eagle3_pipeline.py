@@ -51,7 +51,8 @@ def test_eagle3_head_without_aux_hidden_states_drafts_losslessly_from_the_final_
     head = pair.draft = _randomize(Eagle3Head(t.config, t, use_aux_hidden_state=False), 0)
     seen = []
     forward = head.forward
-    head.forward = lambda ids, hidden, batch=None: (seen.append(hidden.detach().clone()), forward(ids, hidden, batch))[1]
+    head.forward = lambda ids, hidden, batch=None, **kw: (seen.append(hidden.detach().clone()),
+                                                         forward(ids, hidden, batch, **kw))[1]
     want, out = _plain_and_drafted(pair, prompts_file, "workload.batch_size=1")
     assert [r.output_ids for r in out["requests"]] == want
     prompt = out["requests"][0].prompt_ids

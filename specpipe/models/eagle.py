@@ -43,8 +43,10 @@ class EagleHead(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         return (self.embed_tokens or self._shared[0])(input_ids)
 
-    def forward(self, input_ids: Tensor, target_hidden: Tensor, batch: Optional[AttentionBatch] = None) -> Tensor:
-        """[B, Q] ids, [B, Q, H] target hidden -> [B, Q, H] draft hidden."""
+    def forward(self, input_ids: Tensor, target_hidden: Tensor, batch: Optional[AttentionBatch] = None,
+                own_hidden: Optional[bool] = None) -> Tensor:
+        """[B, Q] ids, [B, Q, H] target hidden -> [B, Q, H] draft hidden. ``own_hidden`` (the input is this head's
+        own output) changes nothing here: EAGLE-1/2 fuse either through fc with the token embedding."""
         x = self.fc(torch.cat((self.embed(input_ids), target_hidden.to(self.fc.weight.dtype)), dim=-1))
         positions = batch.positions if batch is not None else torch.arange(
             input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)

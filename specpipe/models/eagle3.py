@@ -129,11 +129,21 @@ class Eagle3Head(nn.Module):
             return final, final
         return target(input_ids, batch, aux_layers=self.aux_layers)
 
-    def forward(self, input_ids: Tensor, target_hidden: Tensor, batch: Optional[AttentionBatch] = None) -> Tensor:
-        """[B, Q] ids, [B, Q, 3*Ht] target aux hidden (or [B, Q, H] own hidden) -> [B, Q, H] draft hidden."""
+    def forward(self, input_ids: Tensor, target_hidden: Tensor, batch: Optional[AttentionBatch] = None,
+                own_hidden: Optional[bool] = None) -> Tensor:
+        """[B, Q] ids, [B, Q, 3*Ht] target aux hidden (or [B, Q, H] own hidden) -> [B, Q, H] draft hidden.
+
+        ``own_hidden``: True when ``target_hidden`` is this head's own output (later draft steps: no fc), False when
+        it is the target's features; None guesses from the width, which cannot tell them apart when fc's input is
+        as wide as the head (one aux layer of a target as wide as the head): then it takes the target's."""
         w = self.lm_head.weight
         hidden = target_hidden.to(w.dtype)
-        if self.fc is not None and hidden.shape[-1] == self.fc.in_features:
+        if own_hidden is None:
+            own_hidden = self.fc is None or hidden.shape[-1] != self.fc.in_features
+        if self.fc is not None and not own_hidden:
+            if hidden.shape[-1] != self.fc.in_features:
+                raise ValueError(f"target_hidden has width {hidden.shape[-1]}; expected {self.fc.in_features} "
+                                 f"(aux layers {self.aux_layers} of the target)")
             if self.fc_norm is not None:
                 hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, hidden.chunk(len(self.fc_norm), -1))], -1)
             if self.input_norm is not None:

@@ -26,7 +26,7 @@ class DraftForward(Stage):
     def decode(self, ids: Tensor, hidden: Tensor, batch: AttentionBatch):
         """ids [B, K], hidden [B, K, H] -> topk_p [B*K, K], topk_index [B*K, K], draft hidden [B*K, H]."""
         B, K = ids.shape
-        out = self.head(ids, hidden, batch)  # [B, K, H]
+        out = self.head(ids, hidden, batch, own_hidden=True)  # [B, K, H]: the head's own hidden, never fc'd
         p, idx = top_k(self.head.logits(out), self.topk)
         return p.reshape(B * K, -1), idx.reshape(B * K, -1), out.reshape(B * K, -1)
 
@@ -34,7 +34,7 @@ class DraftForward(Stage):
     def extend(self, ids: Tensor, hidden: Tensor, batch: AttentionBatch, last: Tensor):
         """ids [B, Q], hidden [B, Q, H], last [B] row of the newest token -> topk_p [B,K], ids [B,K], hidden [B,H].
         A packed prefill (every prompt a segment of one row: ids [1, Q]) gives each prompt's newest position in it."""
-        out = self.head(ids, hidden, batch)  # [B, Q, H] (or [1, Q, H] packed)
+        out = self.head(ids, hidden, batch, own_hidden=False)  # [B, Q, H] (or [1, Q, H] packed): target's
         out = out.expand(last.shape[0], -1, -1)
         h_last = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [B, H]
         p, idx = top_k(self.head.logits(h_last), self.topk)

@@ -403,3 +403,27 @@ def test_eagle3_1_norms_apply_as_their_flags_say(setup, tmp_path, where):
         load_draft(_write(tmp_path / "missing", config, sd), target)
     with pytest.raises(CheckpointError, match="'norm_output' is 'yes'; expected true or false"):
         load_draft(_write(tmp_path / "bad", {**_config(), "norm_output": "yes"}, sd), target)
+
+
+@torch.no_grad()
+def test_a_head_whose_fc_is_as_wide_as_itself_skips_fc_on_its_own_hidden(setup, tmp_path):
+    """One aux layer of a target as wide as the head: fc maps H -> H, so the width of the hidden cannot tell the
+    target's features from the head's own output. Later draft steps (DraftForward.decode) fed the head's own hidden
+    through fc again, drafting from features the head was never trained on."""
+    from specpipe.stages.draft_forward import DraftForward
+
+    target, _, sd = setup
+    one = {**sd, "fc.weight": sd["fc.weight"][:, :H].contiguous()}
+    head = load_draft(_write(tmp_path / "one_aux", {**_config(), "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [1]}}, one), target)
+    assert head.aux_layers == [1] and head.fc.in_features == H
+    ids = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(12))
+    aux = head.capture(target, ids)[1]
+    rot = head.rotary(torch.arange(4)[None], aux.dtype)
+    first = head(ids, aux)  # the target's features: through fc
+    assert (first - head.midlayer(head.embed(ids), head.fc(aux), *rot, None, None)).abs().max() < 1e-6
+    want = head.midlayer(head.embed(ids), first, *rot, None, None)  # a later step: the own hidden as is
+    _, _, got = DraftForward(head, 2).decode(ids, first, None)
+    assert (got.view(1, 4, H) - want).abs().max() < 1e-6
+    _, _, ext = DraftForward(head, 2).extend(ids, aux, None, torch.tensor([3]))  # the extend reads the target's
+    assert (ext - first[:, 3]).abs().max() < 1e-6
