@@ -91,7 +91,7 @@ class _Deltas:
         before = self.decode(part(prefix, read)) if read > prefix else ""
         after = self.decode(part(prefix, end))
         # the first text: a character the prompt leaves unfinished stays the prompt's unless completed
-        start = own_start(before, self.decode(part(prefix, c)), after) if read < c else len(before)
+        start = own_start(before, self.decode(part(prefix, c)), after) if read <= c else len(before)
         if len(after) <= start or after.endswith("\ufffd"):
             return ""
         st[1], st[2] = read, end
@@ -333,6 +333,7 @@ class SpecPipe:
         later call a new one derived from it, so repeated calls draw fresh samples, reproducibly from one
         process to the next (a prompt's own "seed" always wins). `logprobs`: each completion also holds its
         tokens' log-probabilities under the raw target logits (None: the overrides' workload.logprobs)."""
+        self.metrics = None  # a call that raises leaves none, one refused before it decodes too (not an earlier call's)
         if on_event is not None and not callable(on_event):
             raise SpecpipeError(f"specpipe: on_event={on_event!r} must be a function taking a StreamEvent (or None)")
         cfg, items, out_dir = self._prepare("generate", prompts, max_new_tokens, stop, out_dir, logprobs, seed, dict(
@@ -405,6 +406,11 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: {why}")
             extra = [stop] if isinstance(stop, str) else list(stop)
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
+        from specpipe.app import check_against_model
+        from specpipe.validate import validate
+
+        validate(cfg)  # what run() checks first (max_new_tokens against the context): before a stream's worker starts
+        check_against_model(cfg, self.pair)  # and before the call takes its number: a refused call takes none
         with self._count:  # calls from several threads each take their own number (a call refused above takes none)
             k, self._calls = self._calls, self._calls + 1
         if seed is None:  # call k > 0: a new base seed, derived from the run's and k (the first call is the CLI's run)
@@ -413,11 +419,6 @@ class SpecPipe:
             run_seed = cfg.sampling.seed if cfg.sampling.get("seed") is not None else cfg.seed
             seed = run_seed if k == 0 else request_seed(run_seed, -k)
         cfg = OmegaConf.merge(cfg, {"sampling": {"seed": int(seed)}})
-        from specpipe.app import check_against_model
-        from specpipe.validate import validate
-
-        validate(cfg)  # what run() checks first (max_new_tokens against the context): before a stream's worker starts
-        check_against_model(cfg, self.pair)
         return cfg, items, out_dir
 
     def _decode(self, cfg, items: list, out_dir, on_event, cancelled: Callable[[], bool] = lambda: False):
@@ -446,6 +447,7 @@ class SpecPipe:
         block, or the end of a `for` loop over an unnamed stream) stops it at the next step."""
         from specpipe.schema import SAMPLING_RULES  # a call's sampling arguments: the settings a prompt may set
 
+        self.metrics = None  # as generate(): a refused call leaves none
         unknown = sorted(set(sampling) - set(SAMPLING_RULES))
         if unknown:
             raise SpecpipeError(f"specpipe: stream() got an unknown argument {unknown[0]!r} (valid: prompts, "

@@ -186,7 +186,7 @@ MAX_BYTES_PER_TOKEN = 1024  # no tokenizer's piece is longer: a prompt beyond th
 
 def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_position: int, vocab_size: int,
                   stop: Sequence[str] = (), ignore_eos: bool = False,
-                  sampling: tuple = (0.0, 1.0, 0, 1.0, 0.0)) -> list[Request]:
+                  sampling: tuple = (0.0, 1.0, 0, 1.0, 0.0), logprobs: bool = False) -> list[Request]:
     """One Request per prompt; a bad prompt becomes that request's error, never the run's. `stop`: stop
     strings of every request (a prompt's own "stop" adds to them); `ignore_eos` drops them all.
     `sampling`: the run's (temperature, top_p, top_k, repetition_penalty, min_p), completed by a prompt's own where it
@@ -208,6 +208,13 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             r.error = (f'field "do_sample"={str(it["do_sample"]).lower()} disagrees with the temperature '
                        f"{temperature:g} it would run with, so it would be ignored; give the prompt its own "
                        f'"temperature" (0 is greedy)')
+            continue
+        off = [k for k in it.get("run_wide", ()) if not {"logprobs": logprobs, "ignore_eos": ignore_eos}[k]]
+        if off:  # a prompt's "logprobs": true / "ignore_eos": true in a run that does not: it would do nothing
+            from specpipe.workload import UNSUPPORTED_FIELDS
+
+            r.finish_reason = "error"
+            r.error = f'field "{off[0]}"=true is not supported per prompt and would be ignored; {UNSUPPORTED_FIELDS[off[0]][1]}'
             continue
         if r.max_new_tokens > max_new_tokens:
             r.finish_reason = "error"
@@ -542,7 +549,8 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     reqs = make_requests(items, pair.tokenizer, cfg.workload.max_new_tokens,
                          pair.target.config.max_position_embeddings, pair.target.config.vocab_size,
                          run_stop_strings(cfg), ignore_eos=bool(cfg.workload.get("ignore_eos")),
-                         sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES))
+                         sampling=tuple(cfg.sampling[k] for k in SAMPLING_RULES),
+                         logprobs=bool(cfg.workload.get("logprobs")))
     ignored = ignored_fields(items)
     drafting = drafting_models(cfg, pair)
     folders = model_folders([pair.target, *drafting])

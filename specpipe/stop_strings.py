@@ -43,10 +43,12 @@ class StopStrings:
                 wider = max(start - (extra - 8), 0)
                 extra = 8 + sum(t in self.silent for t in output_ids[wider:start])
                 start = wider
-        if start == 0:
-            text = decode_after(self.decode, self.context, output_ids)
-        else:  # a window that starts inside a character would decode its whole byte run as U+FFFD
-            text = self.decode(output_ids[clean_start(self.decode, output_ids, start):])
+        if start > 0:  # a window that starts inside a character would decode its whole byte run as U+FFFD
+            start = clean_start(self.decode, output_ids, start)
+        if start <= 4:  # the output's first tokens may finish (or break) a character the prompt left open: read them
+            text = decode_after(self.decode, self.context, output_ids)  # after the prompt, as the output's text is
+        else:
+            text = self.decode(output_ids[start:])
         if self.replacement:
             text = text.rstrip("\ufffd")
         return any(s in text for s in self.stops)

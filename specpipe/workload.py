@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -75,10 +76,16 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, or a test of the prompt'
 }
 
 
-def unsupported_field(obj: dict) -> Optional[str]:
-    """Why a field of a prompt's object would silently do nothing here (it holds a non-neutral value), or None."""
+# fields the run sets for all its requests: a prompt's own `true` does what it asks where the run's is on too, so
+# only make_requests (which knows the run's settings) can tell whether it would be ignored
+RUN_WIDE_FIELDS = ("logprobs", "ignore_eos")
+
+
+def unsupported_field(obj: dict, deferred=()) -> Optional[str]:
+    """Why a field of a prompt's object would silently do nothing here (it holds a non-neutral value), or None.
+    `deferred`: fields make_requests checks against the run's settings instead."""
     for k, (neutral, instead) in UNSUPPORTED_FIELDS.items():
-        if k not in obj:
+        if k not in obj or k in deferred:
             continue
         ok = neutral(obj) if callable(neutral) else any(type(obj[k]) is type(v) and obj[k] == v for v in neutral)
         if not ok:
@@ -174,7 +181,8 @@ def _parse_prompt_line(obj, where) -> dict:
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3"); a good
     item keeps that name as "where", for the errors found once it is tokenized."""
     n = where if isinstance(where, str) else f"line {where}"
-    why = unsupported_field(obj) if isinstance(obj, dict) else None
+    deferred = [k for k in RUN_WIDE_FIELDS if obj.get(k) is True] if isinstance(obj, dict) else []
+    why = unsupported_field(obj, deferred) if isinstance(obj, dict) else None
     if why:
         return {"error": f"{n}: {why}", "prompt": ""}
     if not isinstance(obj, dict):
@@ -190,6 +198,8 @@ def _parse_prompt_line(obj, where) -> dict:
         return {"error": f'{n}: has both {given[0]!r} and {given[1]!r}; give one of "prompt", "prompt_ids" and '
                          f'"messages"', "prompt": ""}
     extra = {}  # what the request takes besides its prompt
+    if deferred:  # "logprobs": true / "ignore_eos": true: fine where the run records logprobs / ignores EOS too
+        extra["run_wide"] = deferred
     respelt_key = next((k for k in obj if respelt(k)), None)
     if respelt_key is not None:
         return {"error": f'{n}: field "{respelt_key}" is not one specpipe reads, so it would be ignored; write it '
@@ -335,6 +345,11 @@ def read_prompts_file(path: str, limit: Optional[int] = None) -> list[dict]:
         except json.JSONDecodeError as e:
             not_json += 1
             items.append({"error": f"line {n}: not valid JSON ({e.msg})", "prompt": ""})
+            continue
+        except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits (4300): Python refuses it
+            not_json += 1
+            items.append({"error": f"line {n}: not valid JSON here (it holds a number of more than "
+                                   f"{sys.get_int_max_str_digits()} digits)", "prompt": ""})
             continue
         except RecursionError:
             items.append({"error": f"line {n}: JSON nested too deeply to read", "prompt": ""})

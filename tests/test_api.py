@@ -702,3 +702,62 @@ def test_generation_config_eos_ends_requests_of_a_specpipe_tokenizer_folder(tmp_
     assert list(stop_token_ids(load_tokenizer(folder, load_target(folder).config))) == [eos, ids[1]]
     again = run(compose(*over), quiet=True)["requests"][0]
     assert again.finish_reason == "stop" and again.output_ids[-1] == ids[1] and len(again.output_ids) <= 2
+
+
+@pytest.mark.parametrize("prompt_ids", [[0xC3, 257, 257, 257, 257], [0xFF, 0xFF, 0xFF, 0xFF, 0xC3]],
+                         ids=["specials-after", "invalid-bytes-before"])
+def test_stream_adds_up_when_the_output_finishes_a_character_the_prompt_left_open(prompt_ids):
+    """The prompt ends inside "À" (0xC3) with no clean boundary in its last tokens (specials, or invalid bytes,
+    all decode to U+FFFD or nothing): the stream's first text dropped the "À" and the closing event sent "a" again."""
+    from types import SimpleNamespace
+
+    from specpipe.api import _Deltas
+    from specpipe.tokenizer import ByteTokenizer, output_text
+
+    tok, out, events = ByteTokenizer(), [0x80, *b"ab"], []
+    deltas = _Deltas(tok.decode, events.append)
+    for n in range(1, len(out) + 1):
+        done = n == len(out)
+        deltas([SimpleNamespace(index=0, prompt_ids=prompt_ids, output_ids=out[:n], finished=done,
+                                finish_reason="length" if done else None, error=None)])
+    assert "".join(e.text for e in events) == output_text(tok, prompt_ids, out) == "Àab"
+
+
+def test_a_call_refused_by_validate_takes_no_call_number():
+    """A call validate() refuses (max_new_tokens past the context) must not shift the seeds of later calls: the
+    first call that runs draws as a fresh SpecPipe's first call (and `python -m specpipe`) does."""
+    sp = SpecPipe(*BASE, "sampling.temperature=1.0")
+    ctx = sp.pair.target.config.max_position_embeddings
+    with pytest.raises(SpecpipeError, match="leaves no room"):
+        sp.generate(PROMPTS, max_new_tokens=ctx)
+    with pytest.raises(SpecpipeError, match="leaves no room"):
+        sp.stream(PROMPTS, max_new_tokens=ctx)
+    first = [c.output_ids for c in sp.generate(PROMPTS)]
+    assert first == [c.output_ids for c in SpecPipe(*BASE, "sampling.temperature=1.0").generate(PROMPTS)]
+
+
+def test_metrics_are_none_after_a_call_refused_before_decoding():
+    """README: sp.metrics is None after a call that raised, one refused at its arguments too (not the earlier
+    call's)."""
+    sp = SpecPipe(*BASE)
+    sp.generate(PROMPTS[:1], max_new_tokens=2)
+    assert sp.metrics is not None
+    with pytest.raises(SpecpipeError, match="max_new_tokens=0"):
+        sp.generate(PROMPTS, max_new_tokens=0)
+    assert sp.metrics is None
+    sp.generate(PROMPTS[:1], max_new_tokens=2)
+    with pytest.raises(SpecpipeError, match="temperature"):
+        sp.stream(PROMPTS, temperature=-1)
+    assert sp.metrics is None
+
+
+def test_a_prompts_logprobs_or_ignore_eos_true_runs_where_the_run_does_the_same():
+    """"logprobs": true / "ignore_eos": true (replayed OpenAI / vLLM requests) fail their prompt only where the run
+    would ignore them; with workload.logprobs=true / workload.ignore_eos=true they ask for what the run does (they
+    failed there too, telling the user to set what was already set)."""
+    asks = [{"prompt": "x", "logprobs": True}, {"prompt": "x", "ignore_eos": True}]
+    on = SpecPipe(*BASE, "draft=none", "workload.logprobs=true", "workload.ignore_eos=true").generate(asks)
+    assert [c.error for c in on] == [None, None] and all(len(c.logprobs) == len(c.output_ids) > 0 for c in on)
+    off = SpecPipe(*BASE, "draft=none").generate(asks)
+    assert "prompt 0: " in off[0].error and "workload.logprobs=true" in off[0].error
+    assert "prompt 1: " in off[1].error and "workload.ignore_eos=true" in off[1].error

@@ -241,3 +241,15 @@ def test_a_folder_where_an_output_file_goes_exits_2_before_decoding(tmp_path, na
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and f"holds a folder named {name}" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "run" / "completions.partial.jsonl").exists()  # nothing decoded
+
+
+def test_a_line_with_a_number_python_refuses_to_read_fails_alone(tmp_path):
+    """json.loads raises a plain ValueError (not JSONDecodeError) for an integer over 4300 digits: that line fails,
+    the run goes on (it ended with a traceback, exit 1, and none of the other prompts decoded)."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b'}\n{"prompt": "def f(x):"}\n')
+    p = cli(SMALL + [f"workload.prompts_file={path}"], tmp_path)
+    assert p.returncode == 0 and "Traceback" not in p.stderr + p.stdout, p.stderr
+    records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert records[0]["finish_reason"] == "error" and records[0]["error"].startswith("line 1: not valid JSON")
+    assert records[1]["finish_reason"] == "length"

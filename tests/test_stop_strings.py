@@ -103,3 +103,17 @@ def test_a_replacement_character_stop_waits_for_the_character_to_finish():
     assert not s.hit(out + [0xA7])  # 'uΧ'
     assert s.hit([117, 0xFF, 118])  # 0xFF is never valid UTF-8: U+FFFD, then 'v'
     assert StopStrings(["x"], tok.decode).hit([117, 0xCE, 120])  # other stops are matched as before
+
+
+def test_a_replacement_character_stop_leaves_the_prompts_unfinished_character_alone():
+    """The prompt ends inside a character (0xE4) that the output's first byte leaves unfinished: its U+FFFD is the
+    prompt's text, not the output's (vLLM's rule, and `output_text`'s). Checked over the whole output (the first
+    tokens) it did not fire; once the window left token 0 out, the window decoded 0x80 alone as U+FFFD and fired."""
+    from specpipe.tokenizer import ByteTokenizer, output_text, prompt_context
+
+    tok = ByteTokenizer()
+    prompt = list("😀".encode()) + [0xE4]
+    out = [256, 0x80] + list(b"a" * 12)  # a special (decodes to nothing), then a byte that keeps 0xE4 broken
+    s = StopStrings(["\ufffd"], tok.decode, context=prompt_context(tok.decode, prompt), silent_ids=tok.special_ids)
+    assert "\ufffd" not in output_text(tok, prompt, out)
+    assert [k for k in range(1, len(out) + 1) if s.hit(out[:k])] == []
