@@ -150,6 +150,17 @@ def workload_slots(cfg: DictConfig, reqs: list[Request]) -> int:
     return running_batch(cfg, reqs) * (-(-max(live) // ps) * ps + one_request_slots(cfg))
 
 
+def hisparse_device_slots(cfg: DictConfig, reqs: list[Request], pair) -> int:
+    """allocator=hisparse's num_slots when null. HiSparseAllocator(num_slots) is the *device* pool and its logical
+    (host) pool is num_slots x host_to_device_ratio, which every live token holds an id in and which the KV cache
+    is sized by; so the logical pool gets the workload (what allocator=token's pool holds) and the device pool
+    1/ratio of it, but never less than batch_size hot buffers (HotBufferBook: 4 x (top_k + local) tokens)."""
+    ps, ratio = cfg.allocator.page_size, cfg.allocator.host_to_device_ratio
+    c = pair.target.config
+    buffer = -(-4 * ((c.sparse_top_k or 0) + c.sparse_local) // ps) * ps
+    return max(-(-workload_slots(cfg, reqs) // (ratio * ps)) * ps, running_batch(cfg, reqs) * buffer)
+
+
 SWA_PREFILL_TOKENS = 2048  # prompt tokens a null swa_num_slots leaves each row beyond its window (sglang's chunk)
 
 
@@ -473,8 +484,7 @@ def check_against_model(cfg: DictConfig, pair) -> None:
                           f"of two up to {1 << (ctx.bit_length() - 1)} (16 to 128 are usual)")
     if cfg.allocator.get("_target_", "").endswith("SWAAllocator"):
         window = check_window_pool(pair, cfg.allocator.window)
-        problems = window_problems(cfg, window, model_window=True, context=ctx) if cfg.allocator.window is None \
-            else []
+        problems = window_problems(cfg, window, model_window=cfg.allocator.window is None, context=ctx)
         if problems:
             raise ConfigError(problems)
     if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator"):
@@ -557,7 +567,9 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     models_digest = model_files_digest(folders)
     carried = carry_finished(earlier, job_cfg, items, reqs, pair.target.config.vocab_size, models_digest)
     try:
-        full_slots = cfg.allocator.num_slots or workload_slots(cfg, reqs)
+        full_slots = cfg.allocator.num_slots or (
+            hisparse_device_slots(cfg, reqs, pair) if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator")
+            else workload_slots(cfg, reqs))
         window_slots = window_pool_slots(cfg, reqs, full_slots, pair.target.config.max_position_embeddings) \
             if cfg.allocator.get("_target_", "").endswith("SWAAllocator") else None
         allocator = build_allocator(cfg, device, full_slots, window_slots)

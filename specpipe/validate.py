@@ -226,10 +226,12 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"allocator.num_slots={a.num_slots} must be positive (or null: sized for the workload)")
     elif a.num_slots is not None:
         need = one_request_slots(cfg)
-        if a.num_slots < need:
-            errors.append(f"allocator.num_slots={a.num_slots} is smaller than one request needs ({need} slots for "
+        ratio = max(int(a.get("host_to_device_ratio", 1)), 1)  # hisparse: its logical pool, num_slots x ratio, holds the tokens
+        if a.num_slots * ratio < need:
+            host = f" in the logical pool, num_slots x host_to_device_ratio={ratio}" if ratio > 1 else ""
+            errors.append(f"allocator.num_slots={a.num_slots} is smaller than one request needs ({need} slots{host} for "
                           f"max_new_tokens={w.max_new_tokens} plus draft and verify space at page_size={ps}); "
-                          f"use allocator.num_slots>={need}")
+                          f"use allocator.num_slots>={-(-need // ratio)}")
     swa_slots = a.get("swa_num_slots")
     if swa_slots is not None and swa_slots < 1:
         errors.append(f"allocator.swa_num_slots={swa_slots} must be positive (or null: sized for batch_size windows plus a prefill chunk)")
@@ -237,7 +239,10 @@ def validate(cfg: DictConfig) -> None:
         errors.append(f"allocator.window={a.window} must be >= 1 (tokens a sliding-window layer sees; null takes the "
                       f"model's own sliding_window)")
     elif "window" in a and a.window is not None and ps_ok:
-        errors += window_problems(cfg, a.window)
+        # a request never keeps more than the model's context in the window pool, so the pool's minimum is capped
+        # by it: known here for random_tiny; for other models app.check_against_model checks the pool once loaded
+        context = cfg.model.get("max_position")
+        errors += window_problems(cfg, a.window, context=context, pool=context is not None)
     for key, hint in (("temperature", ""), ("top_p", " (1 keeps every token)"), ("top_k", " (0 keeps every token)"),
                       ("repetition_penalty", "; 1.05 to 1.3 is typical"), ("min_p", "; 0.05 to 0.1 is typical")):
         v = cfg.sampling[key]
@@ -267,7 +272,8 @@ def run_stop_strings(cfg) -> list:
     return [unescape(s) if isinstance(s, str) else s for s in stop] if isinstance(stop, list) else stop
 
 
-def window_problems(cfg, window: int, model_window: bool = False, context: Optional[int] = None) -> list[str]:
+def window_problems(cfg, window: int, model_window: bool = False, context: Optional[int] = None,
+                    pool: bool = True) -> list[str]:
     """What the window pool of allocator=swa cannot do with a `window` of tokens (allocator.window, or the model's
     sliding window that a null one takes, which the messages then name). `context`: the model's, where known (a
     request never holds more, whatever the window)."""
@@ -284,7 +290,7 @@ def window_problems(cfg, window: int, model_window: bool = False, context: Optio
                       f"tokens); use allocator.window>={d.num_steps + 1} (a window pool larger than the model's "
                       f"window is fine){fewer}")
     swa_slots = a.get("swa_num_slots")
-    if swa_slots is not None and swa_slots >= 1:
+    if pool and swa_slots is not None and swa_slots >= 1:
         # the window pool holds a request's newest window tokens plus a step's draft space: what a decode step and
         # a prefill run in chunks (a page at a time at worst) need, whatever the prompt's length
         need = window_row_slots(cfg, window, context)

@@ -114,3 +114,26 @@ def test_kv_peak_counts_logical_use_and_the_device_pool_has_its_own(path, ps):
     assert m["kv_pool_slots"] == ref["kv_pool_slots"] == 1024
     assert m["kv_peak_slots"] == ref["kv_peak_slots"] > 256
     assert 0 < m["hisparse_device_peak_slots"] <= m["hisparse_device_pool_slots"] == 256
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_null_num_slots_sizes_the_logical_pool_for_the_workload(path, ratio):
+    """num_slots=null gave the *device* pool the whole workload (allocator=token's pool) and the logical pool, which
+    the KV cache is sized by, ratio x that: kv_cache_bytes was ratio x allocator=token's, and the device pool's peak
+    (hot buffers) a fraction of its size. The logical pool now holds the workload and the device pool 1/ratio of it."""
+    want, ref = decode(path, *SPARSE, "draft=none", "allocator=token")
+    got, m = decode(path, *SPARSE, "draft=none", "allocator=hisparse", f"allocator.host_to_device_ratio={ratio}")
+    assert got == want and m["retractions"] == 0 and m["kv_leaked_slots"] == 0
+    buffers = 4 * 4 * (4 + 8)  # batch_size x 4 x (top_k + local): the device pool's floor
+    assert m["hisparse_device_pool_slots"] == max(-(-ref["kv_pool_slots"] // ratio), buffers)
+    assert m["kv_pool_slots"] == ratio * m["hisparse_device_pool_slots"] >= ref["kv_pool_slots"]
+    assert m["kv_cache_bytes"] < ratio * ref["kv_cache_bytes"]  # was exactly ratio x
+    assert m["hisparse_device_peak_slots"] <= m["hisparse_device_pool_slots"]
+
+
+def test_explicit_num_slots_is_checked_against_the_logical_pool():
+    """A request needs room in the logical pool (num_slots x host_to_device_ratio), not num_slots device slots."""
+    from specpipe.validate import validate
+
+    validate(compose("model=random_tiny", "model.sparse_top_k=8", "allocator=hisparse", "draft=none",
+                     "workload.max_new_tokens=120", "allocator.num_slots=100", "allocator.host_to_device_ratio=4"))

@@ -287,3 +287,18 @@ def test_a_null_window_pool_holds_windows_and_a_prefill_chunk_not_whole_contexts
     # an explicit num_slots sizes the full pool only
     big = decode(few, "alternate", "draft=none", "allocator=swa", "allocator.num_slots=50000", *over[1:])[1]
     assert big["kv_pool_slots"] == 50000 and big["swa_window_pool_slots"] < 5000
+
+
+def test_explicit_window_beyond_the_context_sizes_the_pool_by_the_context(path):
+    """allocator.window larger than the model's context keeps at most the context per request, so swa_num_slots only
+    needs the context plus a step (what window=null and the default already assume); it was refused, asking for
+    window + a step slots (100004 for window=100000 on a 2048-token model)."""
+    from specpipe.validate import window_row_slots
+
+    over = ("allocator=swa", "allocator.window=100000", "draft=none")
+    need = window_row_slots(compose("model=random_tiny", *over), 100000, 2048)
+    got, m = decode(path, "alternate", *over, f"allocator.swa_num_slots={need}", "allocator.debug=true")
+    assert got == baseline(path, "alternate")
+    assert m["swa_window_pool_slots"] == need and m["kv_window_leaked_slots"] == 0
+    with pytest.raises(ConfigError, match=f"allocator.swa_num_slots={need - 1} is smaller than one request needs"):
+        decode(path, "alternate", *over, f"allocator.swa_num_slots={need - 1}")
