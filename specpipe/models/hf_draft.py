@@ -185,9 +185,16 @@ def _vocab_maps(raw, file, cfg, tensors, origin, vd: int) -> None:
     """Fill in / check d2t (draft id -> offset to target id) and t2d (target id in draft vocab)."""
     vocab = cfg.vocab_size
     if "d2t" not in tensors:
-        if vd != vocab:  # fill() reports the missing tensor
+        t2d = tensors.get("t2d")
+        if vd != vocab and t2d is not None and t2d.dim() == 1 and t2d.shape[0] == vocab and int(t2d.bool().sum()) == vd:
+            # only the target-side mask: the draft vocab is its ids in ascending order, as EAGLE-3's training
+            # scripts build both maps (d2t = used ids - arange)
+            tensors["d2t"] = torch.nonzero(t2d.bool())[:, 0] - torch.arange(vd)
+            origin["d2t"] = origin.get("t2d", (file, "t2d"))
+        elif vd != vocab:  # fill() reports the missing tensor
             return
-        tensors["d2t"] = torch.zeros(vd, dtype=torch.int64)
+        else:
+            tensors["d2t"] = torch.zeros(vd, dtype=torch.int64)
     d2t = tensors["d2t"]
     f, key = origin.get("d2t", (file, "d2t"))
     if d2t.is_floating_point() or d2t.dtype == torch.bool or d2t.dim() != 1 or d2t.shape[0] != vd:

@@ -140,7 +140,9 @@ def test_errors(setup, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_config()))
     f = tmp_path / "model.safetensors"
     cases = [({"d2t": good["d2t"] + V}, "'d2t'"), ({"fc.weight": torch.zeros(H, 2 * H)}, "'fc.weight'"),
-             ({"d2t": None}, "'d2t' is missing"), ({"lm_head.weight": torch.zeros(VD + 1, H)}, "draft_vocab_size=100")]
+             ({"d2t": None, "t2d": None}, "'d2t' is missing"),
+             ({"d2t": None, "t2d": torch.ones(V, dtype=torch.bool)}, "'d2t' is missing"),  # t2d names V ids, not VD
+             ({"lm_head.weight": torch.zeros(VD + 1, H)}, "draft_vocab_size=100")]
     for change, needle in cases:
         sd = {**good, **change}
         save_file({k: v for k, v in sd.items() if v is not None}, str(f))
@@ -427,3 +429,18 @@ def test_a_head_whose_fc_is_as_wide_as_itself_skips_fc_on_its_own_hidden(setup, 
     assert (got.view(1, 4, H) - want).abs().max() < 1e-6
     _, _, ext = DraftForward(head, 2).extend(ids, aux, None, torch.tensor([3]))  # the extend reads the target's
     assert (ext - first[:, 3]).abs().max() < 1e-6
+
+
+@torch.no_grad()
+def test_a_head_with_only_t2d_gets_d2t_from_it(setup, tmp_path):
+    """Some exports keep only the target-side mask: the draft vocab is then its ids in ascending order (how EAGLE-3's
+    training builds d2t), the same head as one saved with both maps."""
+    target, folder, sd = setup
+    head = load_draft(folder, target)
+    only = load_draft(_write(tmp_path / "t2d_only", _config(), {k: v for k, v in sd.items() if k != "d2t"}), target)
+    assert torch.equal(only.d2t, head.d2t) and torch.equal(only.t2d, head.t2d)
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(5))
+    aux = head.capture(target, ids)[1]
+    assert torch.equal(only.logits(only(ids, aux)), head.logits(head(ids, aux)))
+    drafted = torch.arange(VD)
+    assert torch.equal(only.to_target(drafted), head.to_target(drafted))
