@@ -330,7 +330,10 @@ def read_prompts_file(path: str, limit: Optional[int] = None) -> list[dict]:
     if encoded:
         raise InputError(f"workload.prompts_file={path!r} is {encoded}; specpipe reads UTF-8 JSON lines, one "
                          f'{{"prompt": "..."}} object per line')
-    for n, line in enumerate(raw.split(b"\n"), 1):
+    # lines end in \n or \r\n; a file with no \n at all but bare CRs (classic Mac OS) is split at those (JSON text never
+    # holds a raw CR inside a string, so a CR is a line end there)
+    lines = raw.split(b"\n") if b"\n" in raw or b"\r" not in raw.strip() else raw.split(b"\r")
+    for n, line in enumerate(lines, 1):
         if limit is not None and len(items) >= limit and not_json < len(items):  # (all bad so far: the format check
             break                                                                # below reads the whole file)
         line = line.removeprefix(b"\xef\xbb\xbf")  # a file saved with one, joined to others by `cat`
@@ -352,6 +355,7 @@ def read_prompts_file(path: str, limit: Optional[int] = None) -> list[dict]:
                                    f"{sys.get_int_max_str_digits()} digits)", "prompt": ""})
             continue
         except RecursionError:
+            not_json += 1
             items.append({"error": f"line {n}: JSON nested too deeply to read", "prompt": ""})
             continue
         not_json += not isinstance(obj, dict)  # a number, a string, an array: not a prompt's object either
@@ -359,12 +363,12 @@ def read_prompts_file(path: str, limit: Optional[int] = None) -> list[dict]:
     if not items:
         raise InputError(f"workload.prompts_file={path!r} holds no prompts (only blank lines); give one "
                          f'{{"prompt": "..."}} object per line')
-    if next(line for line in raw.split(b"\n") if line.strip()).strip() == b"[" or is_json_array(raw):
+    if next(line for line in lines if line.strip()).strip() == b"[" or is_json_array(raw):
         raise InputError(f"workload.prompts_file={path!r} holds a JSON array, not JSON lines (one object per line, no "
                          f"brackets or commas between them); convert it once: python -c 'import json,sys; "
                          f"[print(json.dumps(x)) for x in json.load(sys.stdin)]' < {Path(path).name} > prompts.jsonl")
     if not_json == len(items):  # plain text, CSV, ...: not one request's typo but the wrong format
-        first = next(line for line in raw.split(b"\n") if line.strip())[:60].decode("utf-8", "replace")
+        first = next(line for line in lines if line.strip())[:60].decode("utf-8", "replace")
         raise InputError(f"workload.prompts_file={path!r} is not a JSON-lines file: none of its {len(items)} "
                          f"non-blank lines is a UTF-8 JSON object (the first reads {first!r}). Give one JSON object per line, "
                          f'e.g. {{"prompt": "def fib(n):"}} or {{"prompt_ids": [1, 2, 3]}}; to convert a '

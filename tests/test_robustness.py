@@ -463,3 +463,22 @@ def test_a_prompt_far_beyond_the_context_fails_before_it_is_tokenized(monkeypatc
     reqs = make_requests([{"prompt": "x" * (1024 * 64 + 1)}, {"prompt": "ok"}], tok, 4, 64, tok.vocab_size)
     assert reqs[0].finish_reason == "error" and "far more than the model's context of 64 tokens" in reqs[0].error
     assert calls == [2] and reqs[1].finish_reason is None
+
+
+def test_a_prompts_file_with_bare_cr_line_ends_or_only_unreadable_lines(tmp_path):
+    """A file saved with classic Mac line ends (a bare CR, no LF anywhere) reads as its lines; it was one line of
+    'Extra data'. A file whose every line is nested too deeply to read is the wrong format (exit 2), as a file of
+    every other unreadable line is, not a run whose requests all fail."""
+    from specpipe.errors import InputError
+    from specpipe.workload import read_prompts_file
+
+    path = tmp_path / "mac.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\r{"prompt": "b"}\r\r{"prompt": "c"}\r')
+    assert [it["prompt"] for it in read_prompts_file(str(path))] == ["a", "b", "c"]
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
+    assert [(it["prompt"], it["where"]) for it in read_prompts_file(str(crlf))] == [("a", "line 1"), ("b", "line 2")]
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(("[" * 5000 + "]" * 5000 + "\n") * 2)
+    with pytest.raises(InputError, match="none of its 2 non-blank lines is a UTF-8 JSON object"):
+        read_prompts_file(str(deep))
