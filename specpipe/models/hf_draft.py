@@ -30,12 +30,16 @@ def load_draft_folder(folder: Path, target: LlamaForCausalLM, dtype: torch.dtype
     tensors, origin = read_tensors(weight_files(folder), dtype)
     _drop_parallel_draft_heads(raw, file, tensors, origin)
     layers = {n.split(".")[1] for n in tensors if n.startswith("layers.") and n.count(".") > 1}
-    if "eagle3" not in arch and "fc.weight" not in tensors and len(layers) > 1 and (
+    # an EAGLE-3 head whose config does not say so (no "Eagle3" architecture, vLLM's layers.0.* naming): its first
+    # layer's hidden_norm, or a reduced vocabulary's maps, are EAGLE-3's alone
+    eagle3 = ("eagle3" in arch or any(n.startswith("midlayer.") for n in tensors)
+              or "layers.0.hidden_norm.weight" in tensors or "d2t" in tensors or "t2d" in tensors)
+    if not eagle3 and "fc.weight" not in tensors and len(layers) > 1 and (
             "lm_head.weight" in tensors or "embed_tokens.weight" in tensors):
         raise CheckpointError(f"{folder}: a whole causal LM ({len(layers)} decoder layers, no EAGLE 'fc' projection), "
                               f"not an EAGLE head; to draft with a small LM of the target's tokenizer use draft="
                               f"standalone draft.path={folder}, or give the EAGLE head's folder as draft.path")
-    if "eagle3" in arch or any(n.startswith("midlayer.") for n in tensors):
+    if eagle3:
         if not any(n.startswith("midlayer.") for n in tensors):  # vLLM's name for the one decoder layer
             for n in [n for n in tensors if n.startswith("layers.0.")]:
                 new = "midlayer." + n.removeprefix("layers.0.")

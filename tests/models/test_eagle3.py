@@ -444,3 +444,18 @@ def test_a_head_with_only_t2d_gets_d2t_from_it(setup, tmp_path):
     assert torch.equal(only.logits(only(ids, aux)), head.logits(head(ids, aux)))
     drafted = torch.arange(VD)
     assert torch.equal(only.to_target(drafted), head.to_target(drafted))
+
+
+@torch.no_grad()
+def test_an_eagle3_head_whose_config_does_not_say_so_loads_as_eagle3(setup, tmp_path):
+    """vLLM's layers.0.* naming under a plain "LlamaForCausalLM" architecture: the layer's hidden_norm (and the
+    reduced vocabulary's maps) say EAGLE-3. It went to the EAGLE-1 loader, which refused fc.weight's width."""
+    target, folder, sd = setup
+    head = load_draft(folder, target)
+    renamed = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
+    plain = _write(tmp_path / "plain", {**_config(), "architectures": ["LlamaForCausalLM"]}, renamed)
+    again = load_draft(plain, target)
+    assert type(again) is type(head)
+    ids = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(6))
+    aux = head.capture(target, ids)[1]
+    assert torch.equal(again.logits(again(ids, aux)), head.logits(head(ids, aux)))
