@@ -293,22 +293,18 @@ def main() -> None:
                               "sp", "hf_pld"))
         methods.append(Method("specpipe draft=suffix (own context + other running requests + cache of earlier outputs)", b,
                               sp_fn(b, ["draft=suffix"]), "sp", "hf_pld"))
-        if pair.draft is not None:
-            for c in args.eagle_configs:
+        # the same modes with the model forwards under torch.compile (compiled in warm-up) after the eager ones
+        for tag, compiled in [("", [])] + ([] if args.eager_only else [(f", {COMPILED}", TARGET_COMPILED)]):
+            if compiled:
+                methods.append(Method(f"specpipe draft=ngram (default trie){tag}", b,
+                                      sp_fn(b, ["draft=ngram", *compiled]), "sp", "hf_pld"))
+                methods.append(Method(f"specpipe draft=suffix{tag}", b, sp_fn(b, ["draft=suffix", *compiled]),
+                                      "sp", "hf_pld"))
+            for c in args.eagle_configs if pair.draft is not None else ():
                 short = c.replace("draft.", "").replace("num_draft_tokens", "ntok").replace("num_steps", "steps")
-                methods.append(Method(f"specpipe draft=eagle ({short})", b, sp_fn(b, ["draft=eagle", *c.split()]),
-                                      "sp", "hf_draft_assisted"))
-        if not args.eager_only:  # the same modes with the model forwards under torch.compile (compiled in warm-up)
-            methods.append(Method(f"specpipe draft=ngram (default trie), {COMPILED}", b,
-                                  sp_fn(b, ["draft=ngram", *TARGET_COMPILED]), "sp", "hf_pld"))
-            methods.append(Method(f"specpipe draft=suffix, {COMPILED}", b, sp_fn(b, ["draft=suffix", *TARGET_COMPILED]),
-                                  "sp", "hf_pld"))
-            if pair.draft is not None:
-                for c in args.eagle_configs:
-                    short = c.replace("draft.", "").replace("num_draft_tokens", "ntok").replace("num_steps", "steps")
-                    methods.append(Method(f"specpipe draft=eagle ({short}), {COMPILED}", b,
-                                          sp_fn(b, ["draft=eagle", *c.split(), *TARGET_COMPILED, *DRAFT_COMPILED]),
-                                          "sp", "hf_draft_assisted"))
+                methods.append(Method(f"specpipe draft=eagle ({short}){tag}", b,
+                                      sp_fn(b, ["draft=eagle", *c.split(), *compiled,
+                                                *(DRAFT_COMPILED if compiled else [])]), "sp", "hf_draft_assisted"))
     for b in (1, B):  # last: run() keeps the standalone model on the pair once loaded
         methods.append(Method(f"specpipe draft=standalone (num_steps={args.standalone_steps})", b,
                               sp_fn(b, ["draft=standalone", f"draft.path={draft_dir}",

@@ -154,10 +154,12 @@ def hisparse_device_slots(cfg: DictConfig, reqs: list[Request], pair) -> int:
     """allocator=hisparse's num_slots when null. HiSparseAllocator(num_slots) is the *device* pool and its logical
     (host) pool is num_slots x host_to_device_ratio, which every live token holds an id in and which the KV cache
     is sized by; so the logical pool gets the workload (what allocator=token's pool holds) and the device pool
-    1/ratio of it, but never less than batch_size hot buffers (HotBufferBook: 4 x (top_k + local) tokens)."""
+    1/ratio of it, but never less than batch_size hot buffers (HotBufferBook's, of the model's top_k + local keys)."""
+    from specpipe.stages.hot_buffers import buffer_slots
+
     ps, ratio = cfg.allocator.page_size, cfg.allocator.host_to_device_ratio
     c = pair.target.config
-    buffer = -(-4 * ((c.sparse_top_k or 0) + c.sparse_local) // ps) * ps
+    buffer = buffer_slots((c.sparse_top_k or 0) + c.sparse_local, ps)
     return max(-(-workload_slots(cfg, reqs) // (ratio * ps)) * ps, running_batch(cfg, reqs) * buffer)
 
 

@@ -21,8 +21,16 @@ from torch import Tensor
 from specpipe.allocators.hisparse import HotBuffer
 
 
+HOT_FACTOR = 4  # a row's hot buffer holds this many times the sparse attention's keys per query
+
+
+def buffer_slots(budget: int, page_size: int, factor: int = HOT_FACTOR) -> int:
+    """Device slots of one row's hot buffer: factor x (top_k + local) tokens, page-aligned."""
+    return -(-factor * budget // page_size) * page_size
+
+
 class HotBufferBook:
-    def __init__(self, allocator, table: Tensor, alloc_len: np.ndarray, factor: int = 4):
+    def __init__(self, allocator, table: Tensor, alloc_len: np.ndarray, factor: int = HOT_FACTOR):
         self.alloc, self.table, self.alloc_len = allocator, table, alloc_len
         self.factor = factor  # buffer = factor x (top_k + local) tokens, page-aligned
         self.capacity = 0  # 0 until the first sparse forward
@@ -40,8 +48,7 @@ class HotBufferBook:
         the first admission, like every later one, takes logical ids bounded by the host pool rather than the
         device pool (it was bounded by num_slots: a prompt past it failed when it came first)."""
         if not self.ready and budget > 0:
-            ps = self.alloc.page_size
-            self.capacity = -(-self.factor * budget // ps) * ps
+            self.capacity = buffer_slots(budget, self.alloc.page_size, self.factor)
 
     def ensure(self, rows) -> None:
         """Give each row (that lacks one) its device buffer; the row's mapped device slots are reused."""
