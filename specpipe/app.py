@@ -336,6 +336,11 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device, greedy=not sampled,
                              repetition_penalty=sp.repetition_penalty, max_context=max_context, min_p=sp.min_p,
                              penalized=any(r.sampling is not None and r.sampling[3] != 1.0 for r in reqs))
+    if d.method in ("none", "ngram") and d.get("path") is not None:
+        from specpipe.report_console import drafter_name
+
+        print(f"specpipe: note: draft.path={d.path} is not read: draft={drafter_name(d)} uses no draft model "
+              "(draft=eagle and draft=standalone do)", file=sys.stderr)
     if d.method == "none":
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
     else:

@@ -19,6 +19,7 @@ DRAFT_METHODS = ("eagle", "none", "ngram", "standalone")
 DRAFT_GROUPS = "eagle, ngram, suffix, standalone, none"  # conf/draft options (suffix is method ngram)
 MAX_TOPK = 1024  # candidates per expansion; far above any useful tree (EAGLE uses 4-10)
 MAX_STEPS = 128  # draft depth: deeper than any chain that gets accepted, small enough to allocate
+MAX_TRIE_CELLS = 1 << 22  # n-gram trie: match pairs x depth compared per request and step (~20 bytes each)
 MAX_SEED = 2 ** 63 - 1  # torch's generator seeds are 64-bit
 DEVICE_MODES = {  # device target -> its entry in compile_policy.DEVICE_SUPPORT (what it can run); imports no backend
     "specpipe.devices.cpu.CpuDevice": "cpu",
@@ -36,6 +37,21 @@ def _targets(node, where: str, errors: list) -> None:
                 errors.append(err)
         for k in node.keys():
             _targets(node.get(k), f"{where}.{k}" if where else str(k), errors)
+
+
+def trie_matches(topk: int) -> int:
+    """Matches that vote in the n-gram trie: the best alone makes a chain; a trie takes 4 per branch."""
+    return 1 if topk == 1 else 4 * topk
+
+
+def trie_cells(topk: int, num_steps: int) -> int:
+    """Cells of the n-gram trie's pairwise prefix table [matches, matches, num_steps], per request."""
+    return trie_matches(topk) ** 2 * num_steps
+
+
+def trie_limit_hint(num_steps: int) -> int:
+    """The largest topk whose trie table fits MAX_TRIE_CELLS at this depth (1 always fits)."""
+    return max(1, int((MAX_TRIE_CELLS / num_steps) ** 0.5) // 4)
 
 
 def _draft(d, errors: list) -> None:
@@ -74,6 +90,14 @@ def _draft(d, errors: list) -> None:
             errors.append(f"draft.num_draft_tokens={N} is too large for the n-gram trie of topk={K}, num_steps={S}: "
                           f"it holds at most 1 + topk*num_steps = {1 + K * S} nodes; use draft.num_draft_tokens<="
                           f"{1 + K * S} or a larger topk / num_steps")
+        cells = trie_cells(K, S)
+        if cells > MAX_TRIE_CELLS:
+            M = trie_matches(K)
+            errors.append(f"draft.topk={K} with draft.num_steps={S} is too large for the n-gram trie: it compares its "
+                          f"{M} (4*topk) best matches pairwise at every depth, {M}*{M}*{S} = {cells:,} cells per "
+                          f"request and step ({cells * 20 / 2 ** 30:.1f} GiB of temporaries), above the limit of "
+                          f"{MAX_TRIE_CELLS:,}; use draft.topk<={trie_limit_hint(S)} at num_steps={S} (the shipped "
+                          "draft=ngram uses topk=4) or fewer draft.num_steps")
         return
     most = K + (S - 1) * K * K
     if N - 1 > most:

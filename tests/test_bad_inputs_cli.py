@@ -63,6 +63,8 @@ CASES = [
     (["draft=ngram", "draft.min_n=3", "draft.max_n=2"], "need 1 <= min_n <= max_n", True),
     (["draft=ngram", "draft.topk=2", "draft.num_steps=3", "draft.num_draft_tokens=9"],
      "draft.num_draft_tokens=9 is too large for the n-gram trie of topk=2, num_steps=3", True),
+    (["draft=ngram", "draft.topk=1024", "draft.num_steps=128", "draft.num_draft_tokens=1024"],
+     "use draft.topk<=45 at num_steps=128", True),
     (["draft=suffix", "draft.max_n=300"], "need 1 <= min_n <= max_n <= 255", True),
     (["draft=suffix", "draft.cache_tokens=-5"], "draft.cache_tokens=-5 must be >= 0", True),
     (["draft=suffix", "draft.cache_tokens=lots"], "draft.cache_tokens: 'lots' is not an integer", True),

@@ -165,3 +165,16 @@ def test_compile_whole_fuses_the_draft_topk_of_every_model_drafter(draft):
         proposer = build_proposer(cfg, pair, 2, 64, type("D", (), {"torch_device": "cpu"})())
         stage = proposer.topk_stage if draft == "eagle" else proposer.sd.topk_stage
         assert stage.fused_mode is fused, (draft, preset)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "none"])
+def test_a_draft_path_the_drafter_does_not_read_is_named(draft, tmp_path, capsys):
+    """draft=ngram / draft=none load no draft model: a draft.path given with them was dropped without a word."""
+    from helpers import compose
+    from specpipe.app import run
+
+    base = ["model=random_tiny", "workload.num_prompts=1", "workload.max_new_tokens=2", f"draft={draft}"]
+    run(compose(*base, f"draft.path={tmp_path}"), quiet=True)
+    assert f"draft.path={tmp_path} is not read: draft={draft} uses no draft model" in capsys.readouterr().err
+    run(compose(*base), quiet=True)
+    assert "is not read" not in capsys.readouterr().err

@@ -101,3 +101,19 @@ def test_suffix_tree_size_follows_its_shape():
     cfg = compose("draft=suffix", "draft.num_steps=3")
     assert cfg.draft.num_draft_tokens == 13
     validate(cfg)
+
+
+@pytest.mark.parametrize("draft, topk, steps, ntok", [("ngram", 1024, 128, 1024), ("suffix", 256, 128, 1024),
+                                                      ("ngram", 64, 128, 1024)])
+def test_ngram_trie_too_large_to_compare_is_a_config_error(draft, topk, steps, ntok):
+    """The trie compares its 4*topk best matches pairwise at every depth: topk=1024, num_steps=128 would
+    allocate tens of GiB mid-run (a traceback); it is refused up front with a topk that fits."""
+    cfg = compose(f"draft={draft}", f"draft.topk={topk}", f"draft.num_steps={steps}", f"draft.num_draft_tokens={ntok}")
+    with pytest.raises(ConfigError, match=r"compares its \d+ \(4\*topk\) best matches") as e:
+        validate(cfg)
+    assert f"draft.topk<=45 at num_steps={steps}" in str(e.value)
+    validate(compose(f"draft={draft}", "draft.topk=45", f"draft.num_steps={steps}", f"draft.num_draft_tokens={ntok}"))
+
+
+def test_ngram_chain_of_any_valid_depth_stays_valid():
+    validate(compose("draft=ngram", "draft.topk=1", "draft.num_steps=128", "draft.num_draft_tokens=129"))

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from specpipe.drafters.tree import tree_from_parents
 from specpipe.stages.build_tree import Tree
+from specpipe.validate import MAX_TRIE_CELLS, trie_limit_hint, trie_matches
 
 SEP = -1  # separates texts in a context (never a token id): no match and no continuation crosses it
 
@@ -67,7 +68,10 @@ class NgramDrafter:
             raise ValueError(f"num_draft_tokens must be in [2, 1 + topk*num_steps = {1 + topk * num_steps}]")
         self.min_n, self.max_n = min_n, max_n
         # matches that vote: the best one alone makes a chain; a trie takes the votes of 4 per branch
-        self.M = candidates if candidates is not None else (1 if topk == 1 else 4 * topk)
+        self.M = candidates if candidates is not None else trie_matches(topk)
+        if self.M * self.M * num_steps > MAX_TRIE_CELLS:
+            raise ValueError(f"the trie of {self.M} matches x {num_steps} steps compares {self.M ** 2 * num_steps:,} "
+                             f"cells per request (limit {MAX_TRIE_CELLS:,}): use topk<={trie_limit_hint(num_steps)}")
 
     def match_lengths(self, context: Tensor, lengths: Tensor) -> Tensor:
         """[B, L] uint8: for each continuation start c, how many (<= max_n) tokens before c equal the tail."""

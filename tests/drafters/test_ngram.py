@@ -123,3 +123,11 @@ def test_property_paths_are_real_continuations(hist, other, k, s, min_n, extra, 
     best = voted_trie([(n, hist[c:]) for n, c in ranked], k, s, n_nodes)
     got = linked_paths(tokens, parent, n_nodes)
     assert got == best, (hist, got, best)
+
+
+def test_trie_too_large_to_compare_is_refused_at_construction():
+    """4*topk matches compared pairwise at every depth: a [B, 4096, 4096, 128] table is refused, not allocated."""
+    import pytest
+    with pytest.raises(ValueError, match="topk<=45"):
+        NgramDrafter(128, 1024, 1024)
+    NgramDrafter(128, 45, 1024)
