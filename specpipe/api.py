@@ -247,6 +247,25 @@ class Completion:
     logprobs: Optional[list] = None  # generate(logprobs=True): each output token's raw target log-probability
 
 
+HUGE_INT = 10 ** 30  # beyond every valid id, seed, count or limit; such values are not printed (4300-digit limit)
+
+
+def huge_int(v: Any, where: str) -> Optional[str]:
+    """The first place in `v` (a value, or lists / dicts of them) holding an integer beyond HUGE_INT, said with its
+    size (printing it raises ValueError past 4300 digits), or None."""
+    todo = [(v, where)]
+    while todo:
+        x, at = todo.pop()
+        if isinstance(x, numbers.Integral) and not isinstance(x, bool) and abs(int(x)) > HUGE_INT:
+            return f"{at} is an integer of about {int(abs(int(x)).bit_length() * 0.30103) + 1} digits"
+        if isinstance(x, dict):
+            todo.extend((val, f"{at}: field {k!r}" if at.startswith("prompt ") and ":" not in at else f"{at}[{k!r}]")
+                        for k, val in reversed(list(x.items())))
+        elif isinstance(x, (list, tuple)):
+            todo.extend((val, f"{at}[{i}]") for i, val in reversed(list(enumerate(x))))
+    return None
+
+
 def prompt_item(p: Any, n: int) -> dict:
     """One request's item from an API prompt (the prompts-file rules, errors naming `prompt n`)."""
     from specpipe.workload import not_unicode, parse_prompt_line
@@ -256,11 +275,15 @@ def prompt_item(p: Any, n: int) -> dict:
         return {"prompt": p, "where": f"prompt {n}"} if why is None else {"error": f"prompt {n}: {why}", "prompt": ""}
     if hasattr(p, "tolist") and getattr(p, "ndim", None) == 1:  # a numpy array or torch tensor of ids
         p = p.tolist()
-    if isinstance(p, (list, tuple)):
-        p = {"prompt_ids": list(p)}
+    if isinstance(p, (list, tuple)):  # 0-d numpy / torch ids read as their numbers
+        p = {"prompt_ids": [x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x for x in p]}
     if isinstance(p, dict):  # numpy / torch values (arrays of ids, scalars) and tuples read as their lists
         p = {k: v.tolist() if hasattr(v, "tolist") and not isinstance(v, (str, bytes)) else
              list(v) if isinstance(v, tuple) else v for k, v in p.items()}
+    where = huge_int(p, f"prompt {n}")
+    if where:
+        return {"error": f"{where}, beyond any valid value (token ids, seeds and counts fit in 64 bits)",
+                "prompt": ""}
     if not isinstance(p, dict):
         hint = " (token ids go in a list of their own: [[1, 2, 3]])" if isinstance(p, numbers.Integral) else ""
         return {"error": f"prompt {n}: is {type(p).__name__} {str(p)[:40]!r}; a prompt is a string, a list of "
@@ -367,6 +390,10 @@ class SpecPipe:
                                     f"them, got {type(prompts).__name__} {str(prompts)[:40]!r}") from None
         if not prompts:
             raise SpecpipeError(f"specpipe: {method}() needs at least one prompt, got an empty {type(prompts).__name__}")
+        for name, v in (("max_new_tokens", max_new_tokens), ("seed", seed), ("stop", stop), *sampling.items()):
+            where = huge_int(v, name)
+            if where:
+                raise SpecpipeError(f"specpipe: {where}, beyond any valid value (see help(SpecPipe.{method}))")
         cfg = self.cfg
         if max_new_tokens is not None:
             if not is_int(max_new_tokens) or max_new_tokens < 1:

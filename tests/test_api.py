@@ -86,8 +86,25 @@ def test_numpy_and_torch_values_are_numbers_too():
     assert all(type(t) is int for o in out for t in o.output_ids)
     with pytest.raises(SpecpipeError, match="on_event=5 must be a function"):
         sp.generate(["x"], on_event=5)
+    zero_d = sp.generate([[torch.tensor(5), torch.tensor(6), np.int64(7)]], max_new_tokens=4)  # ids of a tensor
+    assert zero_d[0].error is None and zero_d[0].output_ids == plain[0].output_ids
     floats = sp.generate(torch.tensor([104.0, 105.0]), max_new_tokens=4)  # one prompt of ids, not two texts
     assert len(floats) == 1 and '"prompt_ids" must be a list of integers' in floats[0].error
+
+
+@pytest.mark.parametrize("kwargs", [{"seed": 10 ** 5000}, {"max_new_tokens": 10 ** 5000}, {"top_k": -10 ** 5000},
+                                    {"temperature": 10 ** 5000}, {"stop": ["x", 10 ** 5000]}])
+def test_integers_too_long_to_print_are_refused_by_name(kwargs):
+    """Python refuses to print an int of over 4300 digits: the error about it raised a raw ValueError from its own
+    f-string (and temperature an OverflowError)."""
+    sp = SpecPipe("model=random_tiny", "draft=none")
+    with pytest.raises(SpecpipeError, match=r"is an integer of about 5001 digits, beyond any valid value"):
+        sp.generate(["x"], **{"max_new_tokens": 2, **kwargs})
+    out = sp.generate([{"prompt": "x", **kwargs}, [1, 10 ** 5000],
+                       {"prompt": "x", "stop_token_ids": [10 ** 5000]}, "x"], max_new_tokens=2)
+    assert [o.finish_reason for o in out] == ["error", "error", "error", "length"]  # each fails alone
+    assert "prompt 1: field 'prompt_ids'[1] is an integer of about 5001 digits" in out[1].error
+    assert "prompt 2: field 'stop_token_ids'[0]" in out[2].error
 
 
 def test_bad_generate_arguments():
