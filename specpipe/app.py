@@ -27,8 +27,8 @@ from specpipe.stages.prepare_decode import check_sparse_model, check_window_pool
 from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.stop_strings import StopStrings
-from specpipe.validate import one_request_slots, run_stop_strings, to_container, validate, window_problems, \
-    window_row_slots
+from specpipe.validate import allocator_kind, one_request_slots, run_stop_strings, to_container, validate, \
+    window_problems, window_row_slots
 from specpipe.workload import load_prompts
 
 
@@ -450,7 +450,7 @@ def model_window(cfg: DictConfig, pair) -> DictConfig:
     """cfg with allocator.window set to the model's sliding window where allocator=swa leaves it null."""
     from omegaconf import OmegaConf
 
-    if not cfg.allocator.get("_target_", "").endswith("SWAAllocator") or cfg.allocator.window is not None:
+    if allocator_kind(cfg) != "swa" or cfg.allocator.window is not None:
         return cfg
     return OmegaConf.merge(cfg, {"allocator": {"window": check_window_pool(pair, None)}})
 
@@ -489,12 +489,12 @@ def check_against_model(cfg: DictConfig, pair) -> None:
         raise ConfigError(f"allocator.page_size={ps} is larger than the model's context of {ctx} tokens "
                           f"(max_position_embeddings), so most of every page would never be written; use a power "
                           f"of two up to {1 << (ctx.bit_length() - 1)} (16 to 128 are usual)")
-    if cfg.allocator.get("_target_", "").endswith("SWAAllocator"):
+    if allocator_kind(cfg) == "swa":
         window = check_window_pool(pair, cfg.allocator.window)
         problems = window_problems(cfg, window, model_window=cfg.allocator.window is None, context=ctx)
         if problems:
             raise ConfigError(problems)
-    if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator"):
+    if allocator_kind(cfg) == "hisparse":
         check_sparse_model(pair)
     d = cfg.draft
     if d.method == "eagle" and pair.draft is None:
@@ -575,10 +575,10 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     carried = carry_finished(earlier, job_cfg, items, reqs, pair.target.config.vocab_size, models_digest)
     try:
         full_slots = cfg.allocator.num_slots or (
-            hisparse_device_slots(cfg, reqs, pair) if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator")
+            hisparse_device_slots(cfg, reqs, pair) if allocator_kind(cfg) == "hisparse"
             else workload_slots(cfg, reqs))
         window_slots = window_pool_slots(cfg, reqs, full_slots, pair.target.config.max_position_embeddings) \
-            if cfg.allocator.get("_target_", "").endswith("SWAAllocator") else None
+            if allocator_kind(cfg) == "swa" else None
         allocator = build_allocator(cfg, device, full_slots, window_slots)
         pair.target.setup_kv(allocator.pool_slots, **target_kv_layout(pair, allocator))  # checks the pair fits
         for model in drafting:

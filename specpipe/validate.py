@@ -39,6 +39,15 @@ def _targets(node, where: str, errors: list) -> None:
             _targets(node.get(k), f"{where}.{k}" if where else str(k), errors)
 
 
+ALLOCATOR_KINDS = {"TokenAllocator": "token", "PagedAllocator": "paged", "SWAAllocator": "swa",
+                   "HiSparseAllocator": "hisparse"}
+
+
+def allocator_kind(cfg) -> str:
+    """token, paged, swa or hisparse: the allocator class the config builds ("" for a class of the user's own)."""
+    return ALLOCATOR_KINDS.get(str(cfg.allocator.get("_target_", "")).rsplit(".", 1)[-1], "")
+
+
 def trie_matches(topk: int) -> int:
     """Matches that vote in the n-gram trie: the best alone makes a chain; a trie takes 4 per branch."""
     return 1 if topk == 1 else 4 * topk
@@ -128,7 +137,7 @@ def _compile(cfg, errors: list) -> None:
     for problem, keys in problems.items():
         errors.append(f"{problem}; set by {', '.join(keys)}")
     forward = cfg.compile.get("verify", {}).get("target_forward", "eager")
-    if cfg.allocator.get("_target_", "").endswith("HiSparseAllocator") and str(forward).strip() != "eager":
+    if allocator_kind(cfg) == "hisparse" and str(forward).strip() != "eager":
         errors.append(f"compile.verify.target_forward={forward!r} cannot run with allocator=hisparse: its hot "
                       f"buffers are kept on the host from inside the target's forward (each sparse layer's "
                       f"selection goes through an LRU), which a compiled or captured graph cannot hold; keep "
@@ -242,7 +251,7 @@ def validate(cfg: DictConfig) -> None:
     ps_ok = ps >= 1 and not ps & (ps - 1)
     if not ps_ok:
         errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, 8, 16, ...)")
-    elif ps != 1 and str(a.get("_target_", "")).endswith(".TokenAllocator"):
+    elif ps != 1 and allocator_kind(cfg) == "token":
         ps_ok = False
         errors.append(f"allocator.page_size={ps}: the token allocator has page size 1 (every slot on its own); use "
                       f"allocator=paged allocator.page_size={ps} for pages of {ps} slots")

@@ -117,3 +117,10 @@ def test_ngram_trie_too_large_to_compare_is_a_config_error(draft, topk, steps, n
 
 def test_ngram_chain_of_any_valid_depth_stays_valid():
     validate(compose("draft=ngram", "draft.topk=1", "draft.num_steps=128", "draft.num_draft_tokens=129"))
+
+
+@pytest.mark.parametrize("group", ["token", "paged", "swa", "hisparse"])
+def test_allocator_kind_names_each_allocator_group(group):
+    from specpipe.validate import allocator_kind
+
+    assert allocator_kind(compose(f"allocator={group}")) == group
