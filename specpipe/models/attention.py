@@ -42,6 +42,9 @@ class KVPool:
         self.keys = [zeros(self._window_slots if w else num_slots) for w in self.windowed]
         self.values = [zeros(self._window_slots if w else num_slots) for w in self.windowed]
         self.dtype = dtype
+        # slot 0 is zeroed through this index: `ks[0].zero_()` in a compiled forward became a pass over the whole
+        # pool (a slice of a graph input written back), per layer and per call
+        self.null_slot = torch.zeros(1, dtype=torch.int64, device=device)
         self.track_selection = track_selection  # report sparse selections to batch.observe (hisparse)
         self.token_bytes = 2 * num_kv_heads * head_dim * self.keys[0].element_size()  # K+V of one token, one layer
 
@@ -251,8 +254,8 @@ class Attention(nn.Module):
         vs.index_copy_(0, flat, v.reshape(-1, self.n_kv, self.hd).to(vs.dtype))
         # hygiene: padding rows wrote slot 0, and columns no query may see are re-pointed at it, so
         # stale or non-finite K/V elsewhere in the pool can never leak in through a 0 * NaN
-        ks[0].zero_()
-        vs[0].zero_()
+        ks.index_fill_(0, kv.null_slot, 0)
+        vs.index_fill_(0, kv.null_slot, 0)
         if batch.fresh_causal and self.window is not None and self.top_k is None and batch.segments is None:
             # prefill of a sliding-window layer: each query chunk attends to its band of the fresh K/V only,
             # so memory and time grow with T * window, not T^2 (a [B, H, T, T] score matrix per layer)
