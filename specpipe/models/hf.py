@@ -225,7 +225,9 @@ def parse_config(raw: dict, file: Path, draft: bool = False) -> LlamaConfig:
     o_bias = family in ("llama", "qwen3") and bool(raw.get("attention_bias"))
     layers = _int_field(raw, "num_hidden_layers", file, 1 if draft else None)
     heads = _int_field(raw, "num_attention_heads", file)
-    kv_heads = _int_field(raw, "num_key_value_heads", file, 8 if family == "mistral" else heads)  # HF's defaults
+    # HF's defaults when absent (MistralConfig's is 8); an explicit null is num_attention_heads in every family
+    kv_heads = heads if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None else \
+        _int_field(raw, "num_key_value_heads", file, 8 if family == "mistral" else heads)
     if heads % kv_heads:
         raise CheckpointError(f"{file}: field 'num_key_value_heads' is {kv_heads}, which does not divide "
                               f"num_attention_heads={heads} (grouped-query attention shares each KV head among "
@@ -447,6 +449,11 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32",
     if eagle is not None:
         raise CheckpointError(f"{folder}: an EAGLE draft head (it holds '{eagle}'), not a whole model; give its folder as draft.path with draft=eagle (model.path, and "
                               f"draft.path of draft=standalone, take a causal LM: {', '.join(TARGET_ARCHS)})")
+    if cfg.tie_word_embeddings and "embed_tokens.weight" not in tensors and "lm_head.weight" in tensors:
+        # a tied model saved with safetensors' save_model keeps one name of the shared tensor, the first in sorted
+        # order (lm_head.weight): transformers ties the embeddings to it
+        tensors["embed_tokens.weight"] = tensors.pop("lm_head.weight")
+        origin["embed_tokens.weight"] = origin.pop("lm_head.weight")
     head, emb = tensors.get("lm_head.weight"), tensors.get("embed_tokens.weight")
     if cfg.tie_word_embeddings and head is not None and emb is not None and not torch.equal(head, emb):
         cfg.tie_word_embeddings = False  # a stored lm_head that differs is used, as transformers 5 does
