@@ -270,6 +270,10 @@ def indexed_shards(folder: Path, index: Path, kind: str) -> list[Path]:
         raise CheckpointError(f"{index}: not a valid {kind} index ({e})") from None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError(f"{index}: field 'weight_map' is missing or empty")
+    odd = next(((k, v) for k, v in wmap.items() if not isinstance(v, str) or not v), None)
+    if odd is not None:
+        raise CheckpointError(f"{index}: field 'weight_map' maps {odd[0]!r} to {odd[1]!r}; every tensor maps to "
+                              f"the name of its shard file (e.g. \"model-00001-of-00002.safetensors\")")
     shards = sorted(set(wmap.values()))
     for s in shards:
         if not (folder / s).is_file():

@@ -234,6 +234,9 @@ def test_missing_shard(target_copy):
     (target_copy / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
     _raises(lambda: load_target(target_copy), "model.safetensors.index.json", "model-00002-of-00002.safetensors")
+    (target_copy / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": 2}}')  # was a TypeError from Path / int
+    _raises(lambda: load_target(target_copy), "model.safetensors.index.json", "maps 'b' to 2")
 
 
 def test_tokenizers(target_copy, edit_config):
