@@ -450,15 +450,18 @@ def model_window(cfg: DictConfig, pair) -> DictConfig:
     """cfg with allocator.window set to the model's sliding window where allocator=swa leaves it null."""
     from omegaconf import OmegaConf
 
-    if allocator_kind(cfg) != "swa" or cfg.allocator.window is not None:
+    if allocator_kind(cfg) != "swa":
         return cfg
+    if cfg.allocator.window is not None:  # a request never holds more than the context: a larger window keeps the
+        ctx = pair.target.config.max_position_embeddings  # same (and one past int64 overflowed numpy mid-run)
+        return cfg if cfg.allocator.window <= ctx else OmegaConf.merge(cfg, {"allocator": {"window": ctx}})
     return OmegaConf.merge(cfg, {"allocator": {"window": check_window_pool(pair, None)}})
 
 
 def out_of_memory(e: BaseException) -> bool:
     """Whether `e` (or what it wraps: hydra wraps errors raised while building) is an allocation failure."""
     while e is not None:
-        if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        if isinstance(e, (MemoryError, torch.OutOfMemoryError, OverflowError)) or (  # Overflow: a size past int64
                 isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
             return True
         e = e.__cause__ or e.__context__
@@ -588,8 +591,12 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
             raise
         size = f"allocator.num_slots={cfg.allocator.num_slots}" if cfg.allocator.num_slots is not None else \
             f"the {workload_slots(cfg, reqs)} KV slots this workload needs"
+        also = [f"allocator.{k}={cfg.allocator[k]}" for k in ("swa_num_slots", "host_to_device_ratio")
+                if cfg.allocator.get(k) is not None]  # they size a pool too: name the one that may be at fault
+        size += f" (with {', '.join(also)})" if also else ""
+        smaller = "".join(f"a smaller {k.split('=')[0]}, " for k in also)
         raise ConfigError(f"{size}: the KV cache does not fit in {device.torch_device} memory ({allocation_size(e)}); "
-                          f"use a smaller allocator.num_slots (null sizes it for the workload), fewer "
+                          f"use {smaller}a smaller allocator.num_slots (null sizes it for the workload), fewer "
                           f"workload.batch_size or workload.max_new_tokens") from None
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else cfg.seed
     for r, it in zip(reqs, items):

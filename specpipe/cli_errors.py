@@ -557,6 +557,14 @@ def output_folder_problem(key: str, value: str) -> Optional[str]:
     if not os.access(existing, os.W_OK | os.X_OK) or os.statvfs(existing).f_flag & os.ST_RDONLY:
         return (f"specpipe: invalid configuration: {key}={value!r}: {str(existing)!r} cannot be written (no "
                 f"permission or a read-only file system); give a folder you can write to")
+    if existing != path:  # permissions are not all: /proc and /sys refuse new folders to root too (a traceback)
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".specpipe-probe-", dir=existing))
+        except OSError as e:
+            return (f"specpipe: invalid configuration: {key}={value!r}: no folder can be made in {str(existing)!r} "
+                    f"({e.strerror or e}); give a folder you can write to (a new or existing one)")
     return None
 
 

@@ -140,7 +140,9 @@ class NgramProposer:
         self.drafter = NgramDrafter(num_steps, topk, num_draft_tokens, min_n, max_n)
         self.cache = SuffixCache(cache_tokens, device) if cache_tokens > 0 else None
         self.cache_prompts = cache_prompts
-        self.running_tokens = running_tokens
+        # a history gives at most its whole row (a row of the token table below) to each of max_requests rows: a
+        # larger budget changes nothing, and one past int64 (draft.running_tokens=1e20) overflowed numpy mid-run
+        self.running_tokens = min(running_tokens, max_requests * (max_context + num_steps + 3))
         self.K = topk
         self.bad = None
         self.S = num_steps

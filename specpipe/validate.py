@@ -21,6 +21,9 @@ MAX_TOPK = 1024  # candidates per expansion; far above any useful tree (EAGLE us
 MAX_STEPS = 128  # draft depth: deeper than any chain that gets accepted, small enough to allocate
 MAX_TRIE_CELLS = 1 << 22  # n-gram trie: match pairs x depth compared per request and step (~20 bytes each)
 MAX_SEED = 2 ** 63 - 1  # torch's generator seeds are 64-bit
+MIN_MODEL_SEED = -(2 ** 63)  # model.seed (random_tiny's weights) goes to torch.Generator.manual_seed, which takes negatives
+MAX_HOST_RATIO = 1024  # allocator.host_to_device_ratio: the host pool is the device pool (>= batch_size hot buffers) x it
+MAX_THREADS = 1024  # device.num_threads: more than any machine's cores; 100000 crashed torch's thread pool (SIGSEGV)
 DEVICE_MODES = {  # device target -> its entry in compile_policy.DEVICE_SUPPORT (what it can run); imports no backend
     "specpipe.devices.cpu.CpuDevice": "cpu",
     "specpipe.devices.cuda.CudaDevice": "cuda",
@@ -222,6 +225,9 @@ def validate(cfg: DictConfig) -> None:
                       "row- and column-major storage per weight shape on CPU and keeps the faster)")
     if cfg.device.get("num_threads") is not None and cfg.device.num_threads < 1:
         errors.append(f"device.num_threads={cfg.device.num_threads} must be >= 1 (or null for torch's default)")
+    elif cfg.device.get("num_threads") is not None and cfg.device.num_threads > MAX_THREADS:
+        errors.append(f"device.num_threads={cfg.device.num_threads} must be between 1 and {MAX_THREADS} (or null for "
+                      f"torch's default; more threads than cores only wait on one another)")
     _draft(cfg.draft, errors)
     _compile(cfg, errors)
     w = cfg.workload
@@ -232,7 +238,7 @@ def validate(cfg: DictConfig) -> None:
     if w.get("stop") == "":
         errors.append("workload.stop='' is empty: give a stop string (workload.stop='\\n\\n') or a list of them, "
                       "or workload.stop=[] for none")
-    elif w.get("stop") and check_stop(run_stop_strings(cfg)):
+    elif w.get("stop") is not None and check_stop(run_stop_strings(cfg)):  # (0 and false too: not "no stop")
         errors.append(f"workload.{check_stop(run_stop_strings(cfg))}")
     if w.num_prompts is not None and w.num_prompts < 1:
         errors.append(f"workload.num_prompts={w.num_prompts} must be >= 1 or null (all prompts)")
@@ -283,15 +289,28 @@ def validate(cfg: DictConfig) -> None:
             errors.append(f"sampling.{key}=nan is not a number (valid: {SAMPLING_RULES[key][2]}{hint})")
         elif not SAMPLING_RULES[key][1](v):  # the schema has typed it already
             errors.append(f"sampling.{key}={v} must be {SAMPLING_RULES[key][2]}{hint}")
-    if cfg.get("latency_limit_ms") is not None and cfg.latency_limit_ms <= 0:
+    if cfg.get("latency_limit_ms") is not None and not cfg.latency_limit_ms > 0:  # (nan too)
         errors.append(f"latency_limit_ms={cfg.latency_limit_ms} must be > 0 (or null for no limit)")
     if not 0 <= cfg.seed <= MAX_SEED:
         errors.append(f"seed={cfg.seed} must be between 0 and 2**63-1")
+    model_seed = cfg.model.get("seed") if "seed" in cfg.model else None
+    if model_seed is not None and not MIN_MODEL_SEED <= model_seed <= MAX_SEED:
+        errors.append(f"model.seed={model_seed} must be between -2**63 and 2**63-1 (it seeds the random model's "
+                      f"weights)")
+    if cfg.draft.get("path") is not None and cfg.draft.method == "eagle" \
+            and str(cfg.model.get("_target_", "")).endswith(".build_random_tiny"):
+        errors.append(f"draft.path={cfg.draft.path!r} would be ignored: model=random_tiny builds its own EAGLE head "
+                      f"(draft.path is read with model=tiny or model=hf, and by draft=standalone); leave draft.path "
+                      f"null (draft.path=null) or choose model=hf model.path=DIR")
     if cfg.sampling.seed is not None and not 0 <= cfg.sampling.seed <= MAX_SEED:
         errors.append(f"sampling.seed={cfg.sampling.seed} must be between 0 and 2**63-1 (or null: the top-level seed)")
     if "host_to_device_ratio" in a and a.host_to_device_ratio < 1:
         errors.append(f"allocator.host_to_device_ratio={a.host_to_device_ratio} must be >= 1 (host slots per "
                       f"device slot; 1 keeps every token's KV on the device)")
+    elif "host_to_device_ratio" in a and a.host_to_device_ratio > MAX_HOST_RATIO:
+        errors.append(f"allocator.host_to_device_ratio={a.host_to_device_ratio} must be between 1 and "
+                      f"{MAX_HOST_RATIO} (host slots per device slot; the host pool is the device pool times it, "
+                      f"at least batch_size hot buffers)")
     if errors:
         raise ConfigError(errors)
 
@@ -299,7 +318,8 @@ def validate(cfg: DictConfig) -> None:
 def run_stop_strings(cfg) -> list:
     """workload.stop as a list of strings, command-line escapes (\\n, \\t) decoded; bad entries pass through
     (for `check_stop` to name)."""
-    stop = cfg.workload.get("stop") or []
+    stop = cfg.workload.get("stop")
+    stop = [] if stop is None else stop
     stop = OmegaConf.to_container(stop) if OmegaConf.is_config(stop) else stop
     stop = [stop] if isinstance(stop, str) else stop
     return [unescape(s) if isinstance(s, str) else s for s in stop] if isinstance(stop, list) else stop

@@ -115,6 +115,26 @@ CASES = [
     (["workload.logprobs=0"], "workload.logprobs: '0' is not true or false", True),
     (["allocator.page_size=2"], "the token allocator has page size 1 (every slot on its own); use allocator=paged", True),
     (["model=hf", "model.path=/tmp/" + "x" * 5000], "cannot be a path here (File name too long)", True),
+    # accepted, then torch's thread pool crashed the process (SIGSEGV, no message)
+    (["device.num_threads=100000"], "device.num_threads=100000 must be between 1 and 1024", True),
+    (["workload.stop=0"], "workload.stop must be a non-empty string or a list of them, got 0", True),  # was dropped
+    (["workload.stop=false"], "workload.stop must be a non-empty string or a list of them, got False", True),
+    (["latency_limit_ms=nan"], "latency_limit_ms=nan must be > 0", True),
+    (["model.seed=99999999999999999999"], "model.seed=99999999999999999999 must be between -2**63 and 2**63-1",
+     True),  # was Hydra's 'Overflow when unpacking long long', exit 1
+    (["draft.path=/tmp"], "draft.path='/tmp' would be ignored: model=random_tiny builds its own EAGLE head", True),
+    # Hydra's "Error executing job ... a letter tokenizer has 1..26 ids", exit 1
+    (["model.vocab_size=100"], "model.vocab_size=100 has no tokenizer: use 2 to 26 (letters a..z) or 256", False),
+    # past int64: Hydra's "Error in call to target ... OverflowError('int too big to convert')", exit 1
+    (["allocator.num_slots=99999999999999999999"], "the KV cache does not fit in cpu memory", False),
+    # root may write /proc by its permissions, but no folder can be made there: Hydra's mkdir traceback, exit 1
+    (["hydra.run.dir=/proc/specpipe_out"], "no folder can be made in '/proc'", True),
+    # 1000000 was accepted, then the host pool (tens of GiB) got the process OOM-killed (SIGKILL)
+    (["allocator=hisparse", "model.sparse_top_k=8", "allocator.host_to_device_ratio=1000000"],
+     "allocator.host_to_device_ratio=1000000 must be between 1 and 1024", True),
+    # the message blamed "the 658 KV slots this workload needs", not the window pool's size
+    (["allocator=swa", "model.sliding_window=16", "allocator.swa_num_slots=99999999999999999999"],
+     "(with allocator.swa_num_slots=99999999999999999999): the KV cache does not fit in cpu memory", False),
 ]
 
 
@@ -255,3 +275,20 @@ def test_a_line_with_a_number_python_refuses_to_read_fails_alone(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert records[0]["finish_reason"] == "error" and records[0]["error"].startswith("line 1: not valid JSON")
     assert records[1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("knob,model", [
+    ("draft=suffix draft.running_tokens=99999999999999999999", ""),
+    ("allocator=swa allocator.window=99999999999999999999", "model.sliding_window=16 allocator=swa")])
+def test_a_budget_past_int64_decodes(tmp_path, knob, model):
+    """draft.running_tokens=1e20 and allocator.window=1e20 passed the validator, then numpy arithmetic overflowed:
+    a traceback mid-run, exit 1. A budget above what a request can hold changes nothing: the greedy tokens are
+    draft=none's."""
+    outputs = {}
+    for name, args in (("big", [*model.split(), *knob.split()]), ("ref", [*model.split(), "draft=none"])):
+        (tmp_path / name).mkdir()
+        p = cli(SMALL + ["workload.batch_size=2", *args], tmp_path / name)
+        assert p.returncode == 0 and "Traceback" not in p.stderr + p.stdout, p.stderr[-800:]
+        lines = (tmp_path / name / "run" / "completions.jsonl").read_text().splitlines()
+        outputs[name] = [json.loads(x)["output_ids"] for x in lines]
+    assert outputs["big"] == outputs["ref"]

@@ -26,6 +26,9 @@ def check_shape(**shape) -> None:
     errors = [f"model.{k}={v} must be >= 1" for k, v in shape.items() if v is not None and v < 1]
     if shape["vocab_size"] >= 1 and shape["vocab_size"] < 2:
         errors.append(f"model.vocab_size={shape['vocab_size']} must be >= 2 (a token and the EOS)")
+    elif 26 < shape["vocab_size"] < 256:  # small_or_byte_tokenizer: letters a..z, or all 256 bytes
+        errors.append(f"model.vocab_size={shape['vocab_size']} has no tokenizer: use 2 to 26 (letters a..z) or "
+                      f"256 and more (bytes; the default is 258)")
     heads, kv = shape["num_heads"], shape["num_kv_heads"]
     if heads >= 1 and kv >= 1 and heads % kv:
         errors.append(f"model.num_kv_heads={kv} must divide model.num_heads={heads}")
