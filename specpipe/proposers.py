@@ -140,14 +140,14 @@ class NgramProposer:
         self.drafter = NgramDrafter(num_steps, topk, num_draft_tokens, min_n, max_n)
         self.cache = SuffixCache(cache_tokens, device) if cache_tokens > 0 else None
         self.cache_prompts = cache_prompts
-        # a history gives at most its whole row (a row of the token table below) to each of max_requests rows: a
-        # larger budget changes nothing, and one past int64 (draft.running_tokens=1e20) overflowed numpy mid-run
-        self.running_tokens = min(running_tokens, max_requests * (max_context + num_steps + 3))
         self.K = topk
         self.bad = None
         self.S = num_steps
         self.tokens = torch.zeros((max_requests, max_context + num_steps + 2), dtype=torch.int64,
                                   device=device)  # [R, C] token history per table row
+        # a history gives at most its whole row (and its SEP) to each of max_requests rows: a larger budget changes
+        # nothing, and one past int64 (draft.running_tokens=1e20) overflowed numpy mid-run
+        self.running_tokens = min(running_tokens, max_requests * (self.tokens.shape[1] + 1))
         self.host = self.tokens.numpy() if host else None  # the same memory, read by numpy
         self.stages = []
 
