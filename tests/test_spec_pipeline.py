@@ -1,0 +1,62 @@
+"""The speculative round's commit: K/V moves only when an accepted node sits off its committed position, and the
+per-request logits check flags every non-finite value."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import compose
+from specpipe.app import run
+from specpipe.models.attention import KVPool
+from specpipe.spec_pipeline import SpecPipeline
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from specpipe.models.hf import load_tiny
+
+    return load_tiny(dtype="float64")
+
+
+def counted_run(pair, monkeypatch, path, *overrides):
+    """Outputs, metrics and the number of KVPool.move calls of one run of the shipped pair."""
+    calls = []
+    move = KVPool.move
+    monkeypatch.setattr(KVPool, "move", lambda self, *a, **k: (calls.append(1), move(self, *a, **k))[1])
+    common = ["model=tiny", "device.dtype=float64", f"workload.prompts_file={path}", "workload.max_new_tokens=32",
+              "workload.batch_size=2"]
+    out = run(compose(*common, *overrides), quiet=True, pair=pair)
+    monkeypatch.setattr(KVPool, "move", move)
+    return [r.output_ids for r in out["requests"]], out["metrics"], len(calls)
+
+
+def test_kv_moves_only_when_an_accepted_node_is_off_its_position(shipped, monkeypatch, prompts_file):
+    path = prompts_file(["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
+                         "import os\nimport sys\n\n", "    for i in range(len(items)):\n        "])
+    want, _, _ = counted_run(shipped, monkeypatch, path, "draft=none")
+    # a chain's accepted nodes are nodes 0..k in order: already where they are committed, never moved
+    for chain in (["draft.topk=1", "draft.num_steps=5"], ["draft=ngram", "draft.topk=1", "draft.num_steps=6"]):
+        got, m, moves = counted_run(shipped, monkeypatch, path, *chain)
+        assert got == want, chain
+        assert m["accept_length_mean"] > 1.5 and moves == 0, (chain, moves)
+    # a tree accepts a later sibling's branch in some rounds only: those rounds move, the others do not
+    got, m, moves = counted_run(shipped, monkeypatch, path, "draft.topk=4", "draft.num_steps=4",
+                                "draft.num_draft_tokens=10")
+    assert got == want
+    assert 0 < moves < m["num_verify_steps"], (moves, m["num_verify_steps"])
+    assert m["kv_leaked_slots"] == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_round_status_flags_any_non_finite_logit(bad, dtype):
+    B, N, V, S = 3, 5, 40, 4
+    logits = torch.randn(B, N, V, dtype=torch.float64).mul(60).to(dtype)  # large but finite: sums of them may not be
+    logits[1, 3, 17] = bad
+    tree = SimpleNamespace(parent=torch.tensor([[-1, 0, 0, 1, 2]] * B))
+    stub = SimpleNamespace(proposer=SimpleNamespace(bad=None))
+    accept_index = torch.tensor([[0, 1, 3, -1, -1]] * B)
+    stats = SpecPipeline.round_stats(stub, tree, accept_index, logits, torch.tensor([True, False, True]))
+    assert stats[:, -1].tolist() == [1, 0, 1]  # status: only row 1 holds a non-finite logit
+    assert stats[:, -2].tolist() == [1, 0, 1]  # in place, as given
+    assert stats[:, :S].tolist() == [[0, 0, 0, 0]] * B and stats[:, S].tolist() == [4] * B  # ranks, linked
