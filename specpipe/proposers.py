@@ -19,7 +19,7 @@ from specpipe.drafters import ngram_host
 from specpipe.drafters.ngram import SEP, NgramDrafter
 from specpipe.drafters.suffix import SuffixCache
 from specpipe.models.attention_batch import extend_batch
-from specpipe.pipeline import OutOfKVMemory, bucket
+from specpipe.pipeline import OutOfKVMemory, bucket, finite_rows
 from specpipe.stages.build_tree import BuildTree, Tree
 from specpipe.stages.draft_forward import advance_visibility, DraftForward
 from specpipe.stages.draft_scratch import draft_columns
@@ -28,7 +28,7 @@ from specpipe.stages.draft_topk import DraftTopK
 
 def non_finite(score_blocks: list, batch_size: int):
     """[B] bool: a request whose draft scores (hence draft logits) hold NaN or inf this round."""
-    return ~torch.isfinite(torch.cat([s.reshape(batch_size, -1) for s in score_blocks], 1)).all(-1)
+    return ~finite_rows(torch.cat([s.reshape(batch_size, -1) for s in score_blocks], 1))
 
 
 class EagleProposer:

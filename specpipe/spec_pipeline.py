@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from specpipe.models.attention_batch import AttentionBatch
-from specpipe.pipeline import OutOfKVMemory, Pipeline, bucket
+from specpipe.pipeline import OutOfKVMemory, Pipeline, bucket, finite_rows
 from specpipe.stages.draft_scratch import scratch_tokens_per_request
 from specpipe.stages.verify import Verify
 from specpipe.stages.verify_sampling import VerifySampling
@@ -87,9 +87,7 @@ class SpecPipeline(Pipeline):
         rank = earlier.sum(-1)  # [B, N] siblings before each node (0: the draft's first choice)
         acc_rank = rank.gather(1, accept_index[:, 1:].clamp(min=0))  # [B, S]
         linked = (par[:, 1:] >= 0).sum(-1, keepdim=True)
-        # x * 0 is 0 for every finite x and NaN for NaN and +-inf: one multiply and one sum, where isfinite().all()
-        # took 5x as long (8 ms a round at batch 8, 12 nodes and a 32k vocabulary on one CPU thread)
-        status = (logits.flatten(1) * 0).sum(-1).eq(0).to(torch.int64)  # 1 ok, 0 target NaN, 2 draft NaN
+        status = finite_rows(logits.flatten(1)).to(torch.int64)  # 1 ok, 0 target NaN, 2 draft NaN
         if self.proposer.bad is not None:
             status = torch.where(self.proposer.bad & (status == 1), torch.full_like(status, 2), status)
         return torch.cat([acc_rank, linked, in_place.to(torch.int64)[:, None], status[:, None]], 1)

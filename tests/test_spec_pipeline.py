@@ -8,6 +8,7 @@ import torch
 from helpers import compose
 from specpipe.app import run
 from specpipe.models.attention import KVPool
+from specpipe.pipeline import finite_rows
 from specpipe.spec_pipeline import SpecPipeline
 
 
@@ -60,3 +61,12 @@ def test_round_status_flags_any_non_finite_logit(bad, dtype):
     assert stats[:, -1].tolist() == [1, 0, 1]  # status: only row 1 holds a non-finite logit
     assert stats[:, -2].tolist() == [1, 0, 1]  # in place, as given
     assert stats[:, :S].tolist() == [[0, 0, 0, 0]] * B and stats[:, S].tolist() == [4] * B  # ranks, linked
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_finite_rows_is_isfinite_all_even_where_a_sum_would_overflow(dtype):
+    big = torch.finfo(dtype).max
+    x = torch.tensor([[big, big, big], [1.0, 2.0, 3.0], [0.0, float("nan"), 1.0], [float("-inf"), 0.0, 0.0],
+                      [-0.0, -5.0, 7.0]], dtype=dtype)
+    assert finite_rows(x).tolist() == torch.isfinite(x).all(-1).tolist() == [True, True, False, False, True]
+    assert not torch.isfinite(x[0].sum())  # what a check on the row's sum would have flagged
