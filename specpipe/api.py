@@ -331,7 +331,10 @@ class SpecPipe:
         self.dtype = model_dtype(self.cfg)
         self.pair = load_pair(self.cfg, self.dtype, self.device)
         ensure_standalone(self.cfg, self.pair, self.dtype, self.device)
-        check_against_model(self.cfg, self.pair)  # what generate() would refuse, said now
+        # what generate() would refuse, said now; but not the default workload.max_new_tokens (64) against a short
+        # context: generate(max_new_tokens=...) may ask for fewer, and a call that does not is refused then
+        given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+        check_against_model(self.cfg, self.pair, max_new_tokens="workload.max_new_tokens" in given)
         self.metrics: Optional[dict] = None  # the last generate() call's metrics (metrics.json's content)
         self._calls = 0  # generate() calls so far: each draws with its own seed unless given one
         self._count = threading.Lock()

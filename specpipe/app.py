@@ -480,11 +480,12 @@ def allocation_size(e: BaseException) -> str:
     return "an allocation failed"
 
 
-def check_against_model(cfg: DictConfig, pair) -> None:
+def check_against_model(cfg: DictConfig, pair, max_new_tokens: bool = True) -> None:
     """Settings the loaded model bounds: allocator.page_size, draft.topk (model drafters pick that many tokens of
-    the draft's vocabulary per expansion) and workload.max_new_tokens (prompt and output share the model's context)."""
+    the draft's vocabulary per expansion) and workload.max_new_tokens (prompt and output share the model's context;
+    `max_new_tokens=False` leaves that one to the call that decodes)."""
     ctx = pair.target.config.max_position_embeddings
-    if cfg.workload.max_new_tokens >= ctx:
+    if max_new_tokens and cfg.workload.max_new_tokens >= ctx:
         raise ConfigError(f"workload.max_new_tokens={cfg.workload.max_new_tokens} leaves no room for a prompt in "
                           f"the model's context of {ctx} tokens (max_position_embeddings); use at most {ctx - 1}")
     ps = cfg.allocator.page_size

@@ -70,6 +70,18 @@ def test_model_dependent_refusals_come_from_the_constructor(overrides, fragment)
         SpecPipe(*overrides)
 
 
+def test_a_short_context_model_builds_and_generate_bounds_max_new_tokens():
+    """The default workload.max_new_tokens (64) is no reason to refuse a 48-token model in the constructor: a call
+    may ask for fewer. One that does not is refused then; an explicit override is still refused up front."""
+    sp = SpecPipe("model=random_tiny", "model.max_position=48", "device.dtype=float64")
+    out = sp.generate(["ab"], max_new_tokens=8)
+    assert out[0].finish_reason == "length" and len(out[0].output_ids) == 8
+    with pytest.raises(SpecpipeError, match="max_new_tokens=64 leaves no room for a prompt in the model's context of 48"):
+        sp.generate(["ab"])
+    with pytest.raises(SpecpipeError, match="max_new_tokens=64 leaves no room"):
+        SpecPipe("model=random_tiny", "model.max_position=48", "workload.max_new_tokens=64")
+
+
 def test_numpy_and_torch_values_are_numbers_too():
     """Ids and settings often come out of numpy or torch: their scalars and 1-D arrays are accepted (they were
     refused as "not a list of integers" / "not an integer")."""
