@@ -326,7 +326,8 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
                    keep: Optional[dict] = None):
     d = cfg.draft
     wrap = make_wrap(cfg, device, metrics)
-    longest = max((len(r.prompt_ids) for r in reqs), default=1)
+    # requests that never run (a prompt refused as too long) size nothing: one stray document cost gigabytes
+    longest = max((len(r.prompt_ids) for r in reqs if not r.finished), default=1)
     ps = allocator.page_size
     max_context = longest + cfg.workload.max_new_tokens + d.num_draft_tokens + d.topk * d.num_steps + 2 * ps + 1
     max_requests = running_batch(cfg, reqs)

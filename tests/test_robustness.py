@@ -482,3 +482,24 @@ def test_a_prompts_file_with_bare_cr_line_ends_or_only_unreadable_lines(tmp_path
     deep.write_text(("[" * 5000 + "]" * 5000 + "\n") * 2)
     with pytest.raises(InputError, match="none of its 2 non-blank lines is a UTF-8 JSON object"):
         read_prompts_file(str(deep))
+
+
+def test_a_refused_long_prompt_sizes_no_buffer(tmp_path, pair, monkeypatch):
+    # a prompt refused as too long for the context once sized every per-row buffer (the block table, the n-gram
+    # token table, the penalty context) for its length: one stray 100k-token document cost gigabytes on a real model
+    from specpipe import app
+
+    sizes = []
+    real = app.build_pipeline
+
+    def spy(*a, **k):
+        pipe = real(*a, **k)
+        sizes.append(pipe.prep.table.shape[1])
+        return pipe
+
+    monkeypatch.setattr(app, "build_pipeline", spy)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "def f(x):"}) + "\n" + json.dumps({"prompt": "x" * 100000}) + "\n")
+    out = run_on(path, pair, "draft=ngram", "workload.max_new_tokens=6")
+    assert [r.finish_reason for r in out["requests"]] == ["length", "error"]
+    assert sizes and sizes[0] < 1000, sizes
