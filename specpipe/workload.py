@@ -193,6 +193,9 @@ def _parse_prompt_line(obj, where) -> dict:
     why = not_unicode(obj)
     if why:
         return {"error": f"{n}: {why}", "prompt": ""}
+    # a null prompt or chat field is an absent one, as the other fields' null is: pandas and datasets exports write
+    # null for the columns a row does not use ({"prompt": "x", "prompt_ids": null})
+    obj = {k: v for k, v in obj.items() if v is not None or k not in ("prompt", "prompt_ids", "messages", *CHAT_FIELDS)}
     given = [k for k in ("prompt", "prompt_ids", "messages") if k in obj]
     if len(given) > 1:
         return {"error": f'{n}: has both {given[0]!r} and {given[1]!r}; give one of "prompt", "prompt_ids" and '

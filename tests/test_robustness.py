@@ -275,6 +275,24 @@ def test_lines_that_are_not_one_prompt_object_say_what_they_are(tmp_path):
     assert items[5] == {"prompt": "ok", "where": "line 6"}
 
 
+def test_null_prompt_and_chat_fields_are_absent_ones(tmp_path):
+    # a dataset exported with pandas (to_json(orient="records", lines=True)) or HF datasets writes null for the
+    # columns a row does not use: such lines failed with "has both 'prompt' and 'prompt_ids'"
+    from specpipe.workload import read_prompts_file
+
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a", "prompt_ids": None, "messages": None, "tools": None, "chat_template_kwargs": None},
+            {"prompt": None, "prompt_ids": [1, 2], "messages": None},
+            {"prompt": None, "prompt_ids": None, "messages": [{"role": "user", "content": "hi"}], "tools": None},
+            {"prompt": None, "prompt_ids": None, "messages": None}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = read_prompts_file(str(path))
+    assert items[0] == {"prompt": "a", "where": "line 1"}
+    assert items[1] == {"prompt": "", "prompt_ids": [1, 2], "where": "line 2"}
+    assert items[2]["messages"] == rows[2]["messages"] and "error" not in items[2] and "chat" not in items[2]
+    assert items[3]["error"].startswith('line 4: missing the "prompt" field')
+
+
 def test_openai_fields_that_would_do_nothing_fail_the_request_unless_neutral(tmp_path):
     from specpipe.workload import read_prompts_file
 
