@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -117,16 +118,23 @@ def near_miss(key, obj: dict) -> Optional[str]:
     Only noted, never refused: datasets carry columns of their own ("prompt_idx", "n_tokens"), which a typo test
     cannot tell from typos, and a prompt must not fail for its metadata. Only fields that would act on this prompt
     are suggested (not another engine's, nor a chat's on a plain prompt)."""
-    import difflib
-
     if not isinstance(key, str) or key in KNOWN_FIELDS or len(key) <= 4:
         return None
+    return _near_miss(key, "messages" in obj)
+
+
+@lru_cache(maxsize=4096)
+def _near_miss(key: str, chat: bool) -> Optional[str]:
+    """`near_miss` once per key: a file's lines repeat its dataset's columns, and difflib on every line of a
+    million-line file cost most of its reading time."""
+    import difflib
+
     spelt = _spelt(key)
     if spelt in ("stop_token_id", "stop_id", "stop_ids"):  # ("prompt_id" is a dataset's identifier column)
         return "stop_token_ids"
     if spelt.endswith(("id", "idx", "uid", "_n", "num", "number", "count")):  # an identifier or a count of one
         return None
-    useful = [f for f in KNOWN_FIELDS if f not in UNSUPPORTED_FIELDS and (f not in CHAT_FIELDS or "messages" in obj)]
+    useful = [f for f in KNOWN_FIELDS if f not in UNSUPPORTED_FIELDS and (f not in CHAT_FIELDS or chat)]
     near = difflib.get_close_matches(spelt, useful, n=1, cutoff=0.85)
     return near[0] if near else None
 

@@ -521,3 +521,21 @@ def test_a_refused_long_prompt_sizes_no_buffer(tmp_path, pair, monkeypatch):
     out = run_on(path, pair, "draft=ngram", "workload.max_new_tokens=6")
     assert [r.finish_reason for r in out["requests"]] == ["length", "error"]
     assert sizes and sizes[0] < 1000, sizes
+
+
+def test_typo_checks_run_once_per_column_not_per_line(tmp_path, monkeypatch):
+    # every line of a dataset repeats its columns: difflib on each key of each line was most of the time a
+    # million-line prompts file took to read
+    import difflib
+
+    from specpipe.workload import read_prompts_file
+
+    calls = []
+    real = difflib.get_close_matches
+    monkeypatch.setattr(difflib, "get_close_matches", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "source_doc_url": "u", "max_new_tokenz": 3}) + "\n"
+                            for i in range(50)))
+    items = read_prompts_file(str(path))
+    assert all(it["ignored_fields"] == {"max_new_tokenz": "max_new_tokens"} for it in items)
+    assert len(calls) <= 2, f"{len(calls)} typo checks for 2 columns"
