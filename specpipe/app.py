@@ -24,7 +24,7 @@ from specpipe.runner import run_requests
 from specpipe.sampling import SamplingState, request_seed
 from specpipe.schema import GREEDY_TEMPERATURE, SAMPLING_RULES
 from specpipe.stages.prepare_decode import check_sparse_model, check_window_pool, target_kv_layout
-from specpipe.tokenizer import encode_chat, output_text, prompt_context, stop_token_ids
+from specpipe.tokenizer import encode_rendered, output_text, prompt_context, render_chat, stop_token_ids
 from specpipe.spec_pipeline import SpecPipeline
 from specpipe.stop_strings import StopStrings
 from specpipe.validate import allocator_kind, one_request_slots, run_stop_strings, to_container, validate, \
@@ -245,20 +245,22 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             r.prompt = tokenizer.decode(r.prompt_ids)  # what the ids read as, for completions.jsonl and the API
         elif "messages" in it:  # rendered with the model's chat template; the text is kept as the prompt
             try:
-                r.prompt, r.prompt_ids = encode_chat(tokenizer, it["messages"], **it.get("chat", {}))
-            except (ValueError, TypeError) as e:  # ChatTemplateError included; TypeError: the tokenizers package's
+                r.prompt = render_chat(tokenizer, it["messages"], **it.get("chat", {}))
+            except (ValueError, TypeError) as e:  # ChatTemplateError included
                 r.finish_reason, r.error = "error", f"the chat cannot be turned into a prompt: {e}"
                 continue
-        elif len(r.prompt) > MAX_BYTES_PER_TOKEN * max_position:  # tokenizing 100 MB costs seconds and gigabytes
-            r.finish_reason = "error"
+        if "prompt_ids" not in it and len(r.prompt) > MAX_BYTES_PER_TOKEN * max_position:
+            r.finish_reason = "error"  # tokenizing 100 MB costs seconds and gigabytes (a chat's rendered text too)
             r.error = (f"prompt of {len(r.prompt)} characters is far more than the model's context of {max_position} "
                        f"tokens holds (no token spans {MAX_BYTES_PER_TOKEN} characters); shorten it")
             continue
-        else:
+        if "prompt_ids" not in it:
+            chat = "messages" in it
             try:
-                r.prompt_ids = tokenizer.encode(r.prompt)
+                r.prompt_ids = encode_rendered(tokenizer, r.prompt) if chat else tokenizer.encode(r.prompt)
             except (ValueError, TypeError) as e:  # TypeError: the tokenizers package's word for text it cannot take
-                r.finish_reason, r.error = "error", f"the prompt cannot be tokenized: {e}"
+                r.finish_reason = "error"
+                r.error = f"the {'chat cannot be turned into a prompt' if chat else 'prompt cannot be tokenized'}: {e}"
                 continue
         bad = [t for t in it.get("stop_token_ids", ()) if t >= vocab_size]
         if bad:

@@ -257,6 +257,19 @@ def encode_chat(tokenizer, messages: list[dict], tools: Optional[list] = None, d
                 chat_template_kwargs: Optional[dict] = None) -> tuple[str, list[int]]:
     """(prompt text, ids) of a chat, rendered with the model folder's chat template (`load_tokenizer` attaches
     it as `tokenizer.chat_template`); a ChatTemplateError when the model has none or it refuses the chat."""
+    text = render_chat(tokenizer, messages, tools, documents, chat_template_kwargs)
+    return text, encode_rendered(tokenizer, text)
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """The ids of a rendered chat: no special tokens added, the template wrote them."""
+    return getattr(tokenizer, "encode_plain", tokenizer.encode)(text)
+
+
+def render_chat(tokenizer, messages: list[dict], tools: Optional[list] = None, documents: Optional[list] = None,
+                chat_template_kwargs: Optional[dict] = None) -> str:
+    """A chat's prompt text (`encode_chat` without the encoding: a text far beyond the context is refused before
+    it is tokenized, as a plain prompt is)."""
     from specpipe.chat_template import ChatTemplateError
 
     template = getattr(tokenizer, "chat_template", None)
@@ -265,8 +278,7 @@ def encode_chat(tokenizer, messages: list[dict], tools: Optional[list] = None, d
             "this model folder has no chat template (chat_template.jinja, or 'chat_template' in "
             "tokenizer_config.json); give the conversation as one \"prompt\" string in the model's format")
         raise ChatTemplateError(why)
-    text = template.render(messages, tools=tools, documents=documents, **(chat_template_kwargs or {}))
-    return text, getattr(tokenizer, "encode_plain", tokenizer.encode)(text)
+    return template.render(messages, tools=tools, documents=documents, **(chat_template_kwargs or {}))
 
 
 def stop_token_ids(tokenizer):

@@ -148,6 +148,17 @@ def test_bad_chats_fail_only_their_request(tmp_path):
     assert r.finish_reason == "error" and "has no chat template" in r.error
 
 
+def test_a_chat_far_beyond_the_context_fails_before_it_is_tokenized(tmp_path, monkeypatch):
+    # a plain prompt of that size was refused untokenized; a chat holding the same text was tokenized whole
+    # first (a 20 MB message: 20 s and 3.6 GB before its refusal)
+    tok = ours(model_folder(tmp_path, QWEN))
+    monkeypatch.setattr(tok, "encode_plain", lambda text: pytest.fail(f"tokenized {len(text)} characters"))
+    chat = {"messages": [{"role": "user", "content": "word " * 30000}], "where": "line 1"}
+    r = make_requests([chat], tok, 8, 64, tok.vocab_size)[0]
+    assert r.finish_reason == "error" and r.error.startswith(f"line 1: prompt of {len(r.prompt)} characters")
+    assert "far more than the model's context of 64 tokens" in r.error and r.prompt.startswith("<|im_start|>user")
+
+
 def test_a_broken_template_fails_messages_but_not_plain_prompts(tmp_path):
     from specpipe.models.hf import load_tokenizer
     from specpipe.models.llama import LlamaConfig
