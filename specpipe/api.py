@@ -266,6 +266,11 @@ def huge_int(v: Any, where: str) -> Optional[str]:
     return None
 
 
+def scalar(v: Any) -> Any:
+    """A 0-d numpy array or torch tensor as its Python number (`tolist`); anything else as it is."""
+    return v.tolist() if getattr(v, "ndim", None) == 0 and hasattr(v, "tolist") else v
+
+
 def prompt_item(p: Any, n: int) -> dict:
     """One request's item from an API prompt (the prompts-file rules, errors naming `prompt n`)."""
     from specpipe.workload import not_unicode, parse_prompt_line
@@ -393,6 +398,9 @@ class SpecPipe:
                                     f"them, got {type(prompts).__name__} {str(prompts)[:40]!r}") from None
         if not prompts:
             raise SpecpipeError(f"specpipe: {method}() needs at least one prompt, got an empty {type(prompts).__name__}")
+        # 0-d numpy / torch values read as their numbers, as they do inside a prompt's dict
+        max_new_tokens, seed = scalar(max_new_tokens), scalar(seed)
+        sampling = {k: scalar(v) for k, v in sampling.items()}
         for name, v in (("max_new_tokens", max_new_tokens), ("seed", seed), ("stop", stop), *sampling.items()):
             where = huge_int(v, name)
             if where:

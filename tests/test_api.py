@@ -102,6 +102,13 @@ def test_numpy_and_torch_values_are_numbers_too():
     assert zero_d[0].error is None and zero_d[0].output_ids == plain[0].output_ids
     floats = sp.generate(torch.tensor([104.0, 105.0]), max_new_tokens=4)  # one prompt of ids, not two texts
     assert len(floats) == 1 and '"prompt_ids" must be a list of integers' in floats[0].error
+    # the call's own settings as 0-d tensors / arrays, as a prompt dict's already were (they were refused)
+    sampled = sp.generate(["x"], max_new_tokens=6, seed=3, temperature=0.5, top_k=20)
+    tensors = sp.generate(["x"], max_new_tokens=torch.tensor(6), seed=np.array(3), temperature=torch.tensor(0.5),
+                          top_k=torch.tensor(20))
+    assert tensors[0].output_ids == sampled[0].output_ids and len(sampled[0].output_ids) == 6
+    with pytest.raises(SpecpipeError, match="seed=.* must be an integer"):
+        sp.generate(["x"], seed=torch.tensor([3, 4]))
 
 
 @pytest.mark.parametrize("kwargs", [{"seed": 10 ** 5000}, {"max_new_tokens": 10 ** 5000}, {"top_k": -10 ** 5000},
