@@ -281,7 +281,7 @@ def prompt_item(p: Any, n: int) -> dict:
     if hasattr(p, "tolist") and getattr(p, "ndim", None) == 1:  # a numpy array or torch tensor of ids
         p = p.tolist()
     if isinstance(p, (list, tuple)):  # 0-d numpy / torch ids read as their numbers
-        p = {"prompt_ids": [x.item() if getattr(x, "ndim", None) == 0 and hasattr(x, "item") else x for x in p]}
+        p = {"prompt_ids": [scalar(x) for x in p]}
     if isinstance(p, dict):  # numpy / torch values (arrays of ids, scalars) and tuples read as their lists
         p = {k: v.tolist() if hasattr(v, "tolist") and not isinstance(v, (str, bytes)) else
              list(v) if isinstance(v, tuple) else v for k, v in p.items()}
@@ -321,7 +321,7 @@ class SpecPipe:
     def __init__(self, *overrides: str):
         from specpipe.app import check_against_model, ensure_standalone, load_pair, model_dtype
         from specpipe.build import build
-        from specpipe.cli_errors import compose_config, expand_home, precheck
+        from specpipe.cli_errors import compose_config, expand_home, last_value, precheck
 
         bad = [o for o in overrides if not isinstance(o, str) or "=" not in o or o.startswith("-")]
         if bad:
@@ -338,8 +338,8 @@ class SpecPipe:
         ensure_standalone(self.cfg, self.pair, self.dtype, self.device)
         # what generate() would refuse, said now; but not the default workload.max_new_tokens (64) against a short
         # context: generate(max_new_tokens=...) may ask for fewer, and a call that does not is refused then
-        given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-        check_against_model(self.cfg, self.pair, max_new_tokens="workload.max_new_tokens" in given)
+        check_against_model(self.cfg, self.pair,
+                            max_new_tokens=last_value(list(overrides), "workload.max_new_tokens") is not None)
         self.metrics: Optional[dict] = None  # the last generate() call's metrics (metrics.json's content)
         self._calls = 0  # generate() calls so far: each draws with its own seed unless given one
         self._count = threading.Lock()

@@ -66,8 +66,8 @@ class Prefill:
 
 def finite_rows(x: Tensor) -> Tensor:
     """[...] bool over x's last dim: the row holds no NaN or +-inf. x * 0 is 0 for every finite x and NaN
-    otherwise, so one multiply and one sum decide it, where isfinite().all() took 5x as long (8 ms a round on one
-    CPU thread for 8 trees of 12 nodes over a 32k vocabulary)."""
+    otherwise, so one multiply and one sum decide it: 8.8x faster than isfinite().all() at 12 nodes over a 32k
+    vocabulary on one CPU thread (scripts/bench_finite_check.py)."""
     return (x * 0).sum(-1) == 0
 
 

@@ -98,7 +98,7 @@ def propose(d: NgramDrafter, context: np.ndarray, lengths: np.ndarray,
     prev = np.maximum(pt - 1, 0)
     up = canon[r, pm, prev]  # the parent node's canonical match
     par = np.where(pt > 0, local[r, up * S + prev], 0)
-    root = context[np.arange(B), np.maximum(lengths - 1, 0)][:, None].astype(np.int64)
+    root = context[r[:, 0], np.maximum(lengths - 1, 0)][:, None].astype(np.int64)
     tok = win.reshape(B, M * S)[r, pick]
     tokens = np.concatenate([root, np.where(picked, tok, root)], 1).astype(np.int64)
     parent = np.concatenate([np.full((B, 1), -1, np.int64), np.where(picked, par, -1)], 1)
