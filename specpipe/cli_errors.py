@@ -664,6 +664,10 @@ def number_for_a_bool(parsed, base) -> Optional[str]:
     return None
 
 
+# workload keys that choose the CLI's prompts: SpecPipe's calls take theirs as arguments
+API_UNREAD = ("workload.prompts_file", "workload.prompt_set", "workload.num_prompts")
+
+
 def precheck(argv: list[str], api: bool = False) -> Optional[str]:
     """The reworded error for the first bad override combination, or None when all compose and validate.
     `api`: overrides of SpecPipe(...), which writes no Hydra output folder."""
@@ -763,6 +767,16 @@ def precheck(argv: list[str], api: bool = False) -> Optional[str]:
         return (f"specpipe: invalid override {what}: SpecPipe runs one configuration, and this is a sweep (several "
                 f"values, a sweep preset or hydra.mode=MULTIRUN); give one value per key, and run sweeps with "
                 f"python -m specpipe -m ... (or build one SpecPipe per point)")
+    if api:  # keys SpecPipe never reads: taken silently, a user would think they did something
+        unread = next((p.input_line for p, k in zip(parsed, keys) if k in API_UNREAD
+                       or (k.startswith(("hydra.", "hydra/")) and k not in ("hydra.searchpath", "hydra.mode"))), None)
+        if unread is not None:
+            key = unread.lstrip("+~").partition("=")[0]
+            why = ("generate() and stream() take the prompts as their argument); leave it out" if key in API_UNREAD
+                   else "it writes no Hydra output folder and launches no jobs, so Hydra's own settings do nothing "
+                        "here; generate(out_dir=...) writes metrics.json and completions.jsonl); leave it out (of "
+                        "Hydra's settings, hydra.searchpath, for config folders of your own, is read)")
+            return f"specpipe: invalid override {unread}: SpecPipe does not read {key} ({why}"
     if multirun and swept:  # Hydra composes a sweep's base config with its plain overrides and no swept value
         plain = [p.input_line for p in parsed if not p.is_sweep_override()]
         try:

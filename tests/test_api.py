@@ -1,6 +1,7 @@
 """The Python API: overrides as on the command line, weights loaded once, completions in prompt order,
 equal to what the CLI's run() decodes; bad prompts fail alone, bad overrides raise the CLI's message."""
 import json
+import re
 import weakref
 from pathlib import Path
 
@@ -53,6 +54,26 @@ def test_bad_prompts_fail_alone_and_out_dir_gets_the_files(tmp_path):
 def test_bad_overrides_raise_the_cli_message(overrides, fragment):
     with pytest.raises(SpecpipeError, match=fragment):
         SpecPipe("model=random_tiny", *overrides)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("hydra.run.dir=/tmp/somewhere", "hydra.run.dir"), ("hydra.job.chdir=true", "hydra.job.chdir"),
+    ("hydra/launcher=joblib", "hydra/launcher"), ("workload.prompts_file=-", "workload.prompts_file"),
+    ("workload.prompt_set=heldout", "workload.prompt_set"), ("+workload.num_prompts=3", "workload.num_prompts"),
+])
+def test_overrides_the_api_never_reads_are_refused(override, key):
+    """SpecPipe writes no Hydra run folder and takes its prompts as arguments: these settings did nothing,
+    silently (a user looked for outputs in hydra.run.dir)."""
+    with pytest.raises(SpecpipeError, match=f"invalid override {re.escape(override)}: SpecPipe does not read "
+                                            f"{re.escape(key)} "):
+        SpecPipe("model=random_tiny", override)
+
+
+def test_hydra_searchpath_is_still_read_by_the_api(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ndraft:\n  topk: 3\n")
+    sp = SpecPipe("model=random_tiny", f"hydra.searchpath=[file://{tmp_path}]", "+experiment=mine")
+    assert sp.cfg.draft.topk == 3
 
 
 @pytest.mark.parametrize("overrides,fragment", [
