@@ -114,9 +114,10 @@ def test_hydra_usage_that_works_passes_the_check(args, myconf, tmp_path):
     assert precheck(SMALL + [a.format(myconf=myconf, file=tmp_path / "f") for a in args]) is None
 
 
-def test_the_api_makes_no_output_folder_so_its_place_is_not_checked(tmp_path):
+def test_the_api_makes_no_output_folder_so_it_refuses_its_place_instead_of_checking_it(tmp_path):
     (tmp_path / "f").write_text("")
-    assert precheck([f"hydra.run.dir={tmp_path / 'f'}/x"], api=True) is None
+    said = precheck([f"hydra.run.dir={tmp_path / 'f'}/x"], api=True)
+    assert "SpecPipe does not read hydra.run.dir" in said and "which is a file" not in said
     assert "which is a file" in precheck([f"hydra.run.dir={tmp_path / 'f'}/x"])
 
 
