@@ -279,7 +279,8 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             special = getattr(tokenizer, "special_token_id", lambda s: None)
             r.stop_strings = StopStrings(stops, tokenizer.decode, [i for i in map(special, stops) if i is not None],
                                          prompt_context(tokenizer.decode, r.prompt_ids),
-                                         silent_ids=getattr(tokenizer, "special_ids", ()))
+                                         silent_ids=getattr(tokenizer, "special_ids", ()),
+                                         silent_from=getattr(tokenizer, "id_limit", None))
     for r, it in zip(reqs, items):  # an error found here names the prompt as the parse errors do ("line 3: ...")
         if r.error and "error" not in it and it.get("where"):
             r.error = f"{it['where']}: {r.error}"

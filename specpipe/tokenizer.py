@@ -77,6 +77,12 @@ class HFTokenizer:
         return self._tok.decode([i for i in ids if 0 <= i < 2**32], skip_special_tokens=True)  # the library's u32
 
     @cached_property
+    def id_limit(self) -> int:
+        """One past the largest id of any token (a vocabulary may have gaps, so not always vocab_size): the ids of
+        a model's padded vocabulary, from here on, decode to nothing."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+    @cached_property
     def special_ids(self) -> frozenset:
         """Ids of special tokens: decoding skips them, so they add no text."""
         return frozenset(i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special)

@@ -117,3 +117,24 @@ def test_a_replacement_character_stop_leaves_the_prompts_unfinished_character_al
     s = StopStrings(["\ufffd"], tok.decode, context=prompt_context(tok.decode, prompt), silent_ids=tok.special_ids)
     assert "\ufffd" not in output_text(tok, prompt, out)
     assert [k for k in range(1, len(out) + 1) if s.hit(out[:k])] == []
+
+
+def test_ids_of_a_padded_vocabulary_do_not_hide_a_stop_string(tmp_path):
+    """A model's vocabulary padded past its tokenizer's (32000 -> 32064) has ids that decode to nothing, as special
+    tokens do. The window counts every token as at least one byte, so 20 of them between "ab" and "c" pushed "ab"
+    out of it: the text read "abc" (as vLLM's detokenized text does) and the stop never fired."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from specpipe.app import make_requests
+    from specpipe.tokenizer import HFTokenizer
+
+    t = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "x": 3, "[UNK]": 4}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "tok.json"))
+    tok = HFTokenizer(tmp_path / "tok.json")
+    assert tok.id_limit == 5 and tok.decode([0, 1] + [7] * 20 + [2]) == "a b c"
+    (req,) = make_requests([{"prompt": "x"}], tok, 64, 1024, 64, stop=["a b c"])
+    out = [0, 1] + [7] * 20 + [2]
+    assert not any(req.stop_strings.hit(out[:k]) for k in range(1, len(out)))
+    assert req.stop_strings.hit(out)
+    assert StopStrings(["a b c"], tok.decode).hit([0, 1, 2])

@@ -368,6 +368,7 @@ def test_ids_above_the_token_count_still_decode(tmp_path):
     t.save(str(tmp_path / "gap.json"))
     tok = HFTokenizer(tmp_path / "gap.json")
     assert tok.decode([0, 1, 5]) == t.decode([0, 1, 5]) == "a b c" and tok.decode([-1, 5, 2**32]) == "c"
+    assert tok.id_limit == 6  # ids decode to nothing from 6 on (stop strings' window), not from the count (4)
 
 
 CLEAN_UP_CORPUS = CORPUS + ["Don't go! I'm here, isn't it? They're sure.", "It 's a test , isn 't it ?"] * 20
