@@ -5,7 +5,8 @@ on the host as committed tokens are appended, over a window of the newest tokens
 longest stop string: every token stands for at least one byte of text (byte-level and byte-fallback tokens
 exactly one), and the margin covers tokens that decode to nothing (special tokens, the ids of a padded vocabulary).
 So the cost per token does not grow with the output. The tokens are kept up to and including the completing one,
-so the text ends with (or just past) the stop string. A stop string that spells a special token (`<|im_end|>`) stops at that token's id.
+so the text ends with (or just past) the stop string. A stop string that spells a special token (`<|im_end|>`)
+stops at that token's id.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class StopStrings:
         if output_ids and output_ids[-1] in self.special_ids:
             return True
         start = max(len(output_ids) - self.window, 0)
-        if self.silent or self.silent_from is not None:  # widen past the window's silent tokens (and those the
-            quiet = self.is_silent  # widening brings in)
+        if self.silent or self.silent_from is not None:
+            # widen past the window's silent tokens (and those the widening brings in)
+            quiet = self.is_silent
             extra = sum(map(quiet, output_ids[start:]))
             while extra > 8 and start > 0:  # the window's margin covers 8
                 wider = max(start - (extra - 8), 0)
