@@ -114,8 +114,8 @@ def make_wrap(cfg: DictConfig, device, metrics: Optional[Metrics] = None):
 
 
 def unapplied_policies(cfg: DictConfig, asked: set) -> list[str]:
-    """Non-eager compile policies for branches this run does not have (draft=none has no verify stage to
-    compile, draft=ngram no draft_topk; with draft_topk.fused, `first` is unused), said once: they run nothing."""
+    """Non-eager compile policies for branches this run does not have (draft=none has only verify.target_forward,
+    draft=ngram no draft_topk; with draft_topk.fused, `first` is unused), said once: they run nothing."""
     out = [f"compile.{stage}.{branch}={value}" for stage, branches in cfg.compile.items()
            for branch, value in branches.items()
            if not isinstance(value, bool) and str(value).strip() != "eager" and f"{stage}.{branch}" not in asked]
@@ -346,7 +346,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
         print(f"specpipe: note: draft.path={d.path} is not read: draft={drafter_name(d)} uses no draft model "
               "(draft=eagle and draft=standalone do)", file=sys.stderr)
     if d.method == "none":
-        pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling)
+        pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling, wrap)
     else:
         proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
         pipe = SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,

@@ -483,6 +483,16 @@ class Pipeline:
 class PlainPipeline(Pipeline):
     """Target-only decoding, one token per request per step (draft=none): the baseline."""
 
+    def __init__(self, target, allocator, device, max_requests: int, max_context: int, eos_token_id,
+                 metrics: Metrics, sampling: Optional[SamplingState] = None, wrap=None):
+        from specpipe.stages.verify import PlainForward
+
+        super().__init__(target, allocator, device, max_requests, max_context, eos_token_id, metrics, sampling)
+        self.forward = PlainForward(target)
+        self.stages = [self.forward]
+        if wrap is not None:  # compile.verify.target_forward's policy
+            self.forward.bind(wrap)
+
     def step(self) -> list[Request]:
         """One token per request; returns requests retracted for lack of KV (to re-queue)."""
         retracted = self.make_room()
@@ -500,8 +510,7 @@ class PlainPipeline(Pipeline):
             batch = self.prep.decorate(
                 extend_batch(self.prep.table, rows_t, L_t, torch.ones_like(L_t), 1, bucket(L.max() + 1)))
         with self.metrics.stage("verify"):
-            hidden = self.target(self.last_token[:, None], batch)
-            logits = self.target.logits(hidden[:, 0])
+            logits = self.forward.target_forward(self.last_token[:, None], batch)
             raw = self.raw_logits(logits)
             nxt = self.sampling.sample_next(logits, L_t + 1)  # [B]
             self.sampling.note(nxt[:, None])

@@ -131,21 +131,39 @@ def test_cli_policy_errors_and_graph_on_cpu_come_from_precheck():
 
 
 def test_a_policy_for_a_branch_the_run_does_not_have_is_named(capsys):
-    """draft=none builds no verify stage and draft=ngram no draft top-k: their policies compiled nothing without a
-    word, and a "compiled" baseline ran eager."""
+    """draft=none has no tree to verify and draft=ngram no draft top-k: their policies compiled nothing without a
+    word."""
     from helpers import compose
     from specpipe.app import run
 
     base = ["model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=3"]
-    m = run(compose(*base, "draft=none", "compile.verify.target_forward=compile"), quiet=True)["metrics"]
-    assert m["unapplied_compile_policies"] == ["compile.verify.target_forward=compile"]
-    assert "no branch of this run (draft=none) reads it, so it compiles nothing" in capsys.readouterr().err
+    m = run(compose(*base, "draft=none", "compile.verify.greedy=compile"), quiet=True)["metrics"]
+    assert m["unapplied_compile_policies"] == ["compile.verify.greedy=compile"]
+    err = capsys.readouterr().err
+    assert "no branch of this run (draft=none) reads it, so it compiles nothing" in err
+    assert "the run's branches: verify.target_forward)" in err
     m = run(compose(*base, "draft=ngram", "compile.draft_topk.later=eager", "compile.build_tree.build=eager"),
             quiet=True)["metrics"]
     assert "unapplied_compile_policies" not in m and "compiles nothing" not in capsys.readouterr().err
     run(compose(*base, "draft=ngram", "sampling.temperature=1.0", "compile.draft_topk.later=compile"), quiet=True)
     listed = capsys.readouterr().err.split("the run's branches: ")[1]
     assert "verify.target_forward" in listed and "verify_sampling" not in listed  # (no compile.* key sets those)
+
+
+def test_a_compiled_plain_baseline_compiles_its_forward_and_decodes_like_eager():
+    """draft=none's forward ran eager whatever compile.verify.target_forward said (named as unapplied), so a
+    "compiled" baseline compared compiled speculation with an eager target. Now it is the step's target forward."""
+    from helpers import compose
+    from specpipe.app import run
+    from specpipe.metrics import recompile_count
+
+    base = ["model=random_tiny", "device.dtype=float64", "workload.num_prompts=3", "workload.max_new_tokens=6",
+            "draft=none"]
+    eager = run(compose(*base), quiet=True)
+    before = recompile_count()
+    compiled = run(compose(*base, "compile.verify.target_forward='compile(backend=aot_eager)'"), quiet=True)
+    assert recompile_count() > before and compiled["metrics"].get("unapplied_compile_policies") is None
+    assert [r.output_ids for r in compiled["requests"]] == [r.output_ids for r in eager["requests"]]
 
 
 @pytest.mark.parametrize("draft", ["eagle", "standalone"])

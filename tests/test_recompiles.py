@@ -30,7 +30,9 @@ AOT_FULL = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
     ["draft=standalone", "draft.topk=2", "draft.num_steps=3", "draft.num_draft_tokens=6",
      f"compile.standalone_draft.root_logits={AOT_FULL}", f"compile.standalone_draft.decode_logits={AOT_FULL}",
      f"compile.standalone_draft.extend={AOT_FULL}", f"compile.draft_topk.later={AOT}"],  # its own model forwards
-], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager", "standalone-aot_eager"])
+    ["draft=none", f"compile.verify.target_forward={AOT_FULL}"],  # the plain baseline's one forward per step
+], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager", "standalone-aot_eager",
+        "plain-aot_eager"])
 def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):
     rng = random.Random(0)
     path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])

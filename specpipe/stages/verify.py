@@ -21,6 +21,22 @@ def target_features(model, tokens: Tensor, batch, feature_layers=None):
     return model.logits(hidden), hidden
 
 
+class PlainForward(Stage):
+    """draft=none's step: one target forward over each request's newest token. It runs under the verify stage's
+    target_forward policy (it is the step's target forward, as in the speculative pipelines), so that
+    compile.verify.target_forward=compile compiles the baseline too instead of leaving it eager."""
+    name = "verify"
+    model_branches = frozenset({"target_forward"})
+
+    def __init__(self, target):
+        self.model = target
+
+    @branch
+    def target_forward(self, tokens: Tensor, batch) -> Tensor:
+        """[B, 1] tokens -> logits [B, V]."""
+        return self.model.logits(self.model(tokens, batch)[:, 0])
+
+
 class Verify(Stage):
     name = "verify"
     model_branches = frozenset({"target_forward"})
