@@ -17,7 +17,7 @@ tokenizing, validation and KV setup included).
             draft=suffix (n-gram over the request's context and a cache of earlier requests' outputs),
             draft=eagle (--eagle-configs),
             draft=standalone (draft.path = the same truncated folder)     batch 1 and batch B
-    specpipe the n-gram trie, suffix and EAGLE rows again with the model forwards compiled
+    specpipe the draft=none, n-gram trie, suffix and EAGLE rows again with the model forwards compiled
             (compile.verify.target_forward=compile, EAGLE also compile.draft_forward.*=compile; --eager-only
             leaves them out). They compile in the warm-up round, so the timed rounds exclude compile time.
 
@@ -315,6 +315,7 @@ def main() -> None:
         # the same modes with the model forwards under torch.compile (compiled in warm-up) after the eager ones
         for tag, compiled in [("", [])] + ([] if args.eager_only else [(f", {COMPILED}", TARGET_COMPILED)]):
             if compiled:
+                methods.append(Method(f"specpipe draft=none{tag}", b, sp_fn(b, ["draft=none", *compiled]), "sp"))
                 methods.append(Method(f"specpipe draft=ngram (default trie){tag}", b,
                                       sp_fn(b, ["draft=ngram", *compiled]), "sp", "hf_pld"))
                 methods.append(Method(f"specpipe draft=suffix{tag}", b, sp_fn(b, ["draft=suffix", *compiled]),
@@ -467,6 +468,8 @@ def main() -> None:
 
     sp_none1 = next((m for m in methods if m.name == "specpipe draft=none" and m.batch == 1 and m.best), None)
     sp_none8 = next((m for m in methods if m.name == "specpipe draft=none" and m.batch == B and m.best), None)
+    spc = {b: next((m for m in methods if m.name == f"specpipe draft=none, {COMPILED}" and m.batch == b and m.best),
+                   None) for b in (1, B)}
     ng1 = max((m for m in methods if "ngram" in m.name and m.batch == 1 and m.best), key=lambda m: m.best[0],
               default=None)
     sfx1 = max((m for m in methods if "draft=suffix" in m.name and m.batch == 1 and m.best), key=lambda m: m.best[0],
@@ -478,6 +481,8 @@ def main() -> None:
     checks = [
         ("specpipe draft=none >= HF greedy (batch 1)", ratio(sp_none1, greedy.get(1)), 1.0, sp_none1),
         (f"specpipe draft=none >= HF greedy (batch {B})", ratio(sp_none8, greedy.get(B)), 1.0, sp_none8),
+        *((f"specpipe draft=none, {COMPILED} >= HF greedy (batch {b})", ratio(spc[b], greedy.get(b)), 1.0, spc[b])
+          for b in (1, B) if spc[b] is not None),
         ("specpipe n-gram, own context only (what HF sees) >= 1.5x HF prompt lookup (batch 1)",
          ratio(ng1, best_of(("hf_pld",))), 1.5, ng1),
         ("specpipe n-gram with the cross-request cache (draft=suffix) >= 1.5x HF prompt lookup (batch 1)",
