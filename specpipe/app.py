@@ -249,12 +249,12 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
             except (ValueError, TypeError) as e:  # ChatTemplateError included
                 r.finish_reason, r.error = "error", f"the chat cannot be turned into a prompt: {e}"
                 continue
-        if "prompt_ids" not in it and len(r.prompt) > MAX_BYTES_PER_TOKEN * max_position:
-            r.finish_reason = "error"  # tokenizing 100 MB costs seconds and gigabytes (a chat's rendered text too)
-            r.error = (f"prompt of {len(r.prompt)} characters is far more than the model's context of {max_position} "
-                       f"tokens holds (no token spans {MAX_BYTES_PER_TOKEN} characters); shorten it")
-            continue
-        if "prompt_ids" not in it:
+        if "prompt_ids" not in it:  # a text (a chat's rendered one too) to tokenize
+            if len(r.prompt) > MAX_BYTES_PER_TOKEN * max_position:  # tokenizing 100 MB costs seconds and gigabytes
+                r.finish_reason = "error"
+                r.error = (f"prompt of {len(r.prompt)} characters is far more than the model's context of "
+                           f"{max_position} tokens holds (no token spans {MAX_BYTES_PER_TOKEN} characters); shorten it")
+                continue
             chat = "messages" in it
             try:
                 r.prompt_ids = encode_rendered(tokenizer, r.prompt) if chat else tokenizer.encode(r.prompt)
