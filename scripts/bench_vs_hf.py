@@ -18,7 +18,8 @@ tokenizing, validation and KV setup included).
             draft=eagle (--eagle-configs),
             draft=standalone (draft.path = the same truncated folder)     batch 1 and batch B
     specpipe the draft=none, n-gram trie, suffix and EAGLE rows again with the model forwards compiled
-            (compile.verify.target_forward=compile, EAGLE also compile.draft_forward.*=compile; --eager-only
+            (compile.verify.target_forward=compile, EAGLE also compile.draft_forward.*=compile and
+            compile.draft_loop.steps=compile; --eager-only
             leaves them out). They compile in the warm-up round, so the timed rounds exclude compile time.
 
 HF assisted generation (prompt lookup and draft models alike) is batch-1 only; the script calls it at
@@ -57,7 +58,8 @@ PAD, EOS = 256, 257  # the byte-level pair: ids 0..255 are UTF-8 bytes, 256 BOS 
 # round, reused by every later run on it; the rest of the pipeline as in the eager rows
 COMPILED = "compiled forwards"
 TARGET_COMPILED = ["compile.verify.target_forward=compile"]
-DRAFT_COMPILED = ["compile.draft_forward.decode=compile", "compile.draft_forward.extend=compile"]
+DRAFT_COMPILED = ["compile.draft_forward.decode=compile", "compile.draft_forward.extend=compile",
+                  "compile.draft_loop.steps=compile"]
 DEFAULT_EAGLE = ["draft.topk=1 draft.num_steps=4", "draft.topk=4 draft.num_steps=5 draft.num_draft_tokens=12"]
 
 

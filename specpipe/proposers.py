@@ -22,6 +22,7 @@ from specpipe.models.attention_batch import extend_batch
 from specpipe.pipeline import OutOfKVMemory, bucket, finite_rows
 from specpipe.stages.build_tree import BuildTree, Tree
 from specpipe.stages.draft_forward import advance_visibility, DraftForward
+from specpipe.stages.draft_loop import DraftLoop
 from specpipe.stages.draft_scratch import draft_columns
 from specpipe.stages.draft_topk import DraftTopK
 
@@ -40,7 +41,9 @@ class EagleProposer:
         self.topk_stage = DraftTopK(topk, fused_topk)
         self.tree_stage = BuildTree(topk, num_steps, num_draft_tokens)
         self.draft_fwd = DraftForward(head, topk)
-        self.stages = [self.topk_stage, self.tree_stage, self.draft_fwd]
+        self.loop = DraftLoop(self.draft_fwd, self.topk_stage, num_steps)
+        self.stages = [self.topk_stage, self.tree_stage, self.draft_fwd, self.loop]
+        self.one_call = False  # the round's steps run as one `draft_loop.steps` call (see plan_rounds)
         self.bad = None  # [B] draft logits non-finite this round
         self.feature_layers = getattr(head, "aux_layers", None)  # EAGLE-3 reads several target layers
         self.topk_p = self.topk_index = self.draft_hidden = None
@@ -89,14 +92,35 @@ class EagleProposer:
             self._decode_fn = fwd.decode
         return self._decode_fn
 
+    def plan_rounds(self, prep) -> str:
+        """Whether the rounds' steps run as one `draft_loop.steps` call: when its policy wrapped it and the
+        allocator drafts into the flat scratch with undecorated batches. Returns why not when the policy asked
+        for it and the allocator cannot ('' otherwise)."""
+        asked = "steps" in getattr(self.loop, "wrapped", ())
+        why = prep.flat_draft_problem()
+        self.one_call = asked and not why
+        return why if asked else ""
+
     def propose(self, pipe, rows_t, L, L_t):
-        B, K, S = len(pipe.reqs), self.K, self.S
-        prep, dev, kv = pipe.prep, pipe.dev, self.head.kv
-        sc = prep.draft_scratch(pipe.rows, rows_t, L, L_t, K, S - 1)
+        B, prep, kv = len(pipe.reqs), pipe.prep, self.head.kv
+        sc = prep.draft_scratch(pipe.rows, rows_t, L, L_t, self.K, self.S - 1)
         if sc is None:
             raise OutOfKVMemory("KV pool exhausted while drafting")
+        if self.one_call:  # flat scratch: begin/follow copy nothing and batches need no decoration
+            blocks = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, sc.prefix_slots,
+                                     sc.prefix_valid, sc.cols, sc.seq_lens)
+        else:
+            blocks = self.step_by_step(prep, kv, sc, B)
+        prep.end_scratch(sc.state)
+        s_l, t_l, p_l = (list(x) for x in zip(*blocks))
+        self.bad = non_finite(s_l, B)
+        return self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t), None
+
+    def step_by_step(self, prep, kv, sc, B: int) -> list:
+        """The round's tree steps, one call per draft forward and top-k, each under its own policy."""
+        K, S = self.K, self.S
         sc.begin(prep, kv)
-        anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=dev)
+        anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=prep.device)
         decode = self._decode()
         ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
         blocks = [blk]
@@ -107,10 +131,7 @@ class EagleProposer:
             tp, ti, hout = decode(ids.view(B, K), hid.view(B, K, -1), batch)
             ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
             blocks.append(blk)
-        prep.end_scratch(sc.state)
-        s_l, t_l, p_l = (list(x) for x in zip(*blocks))
-        self.bad = non_finite(s_l, B)
-        return self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t), None
+        return blocks
 
     def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
         """Draft over the committed tokens so the next round starts from the new bonus token."""

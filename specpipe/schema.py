@@ -186,6 +186,13 @@ class DraftForwardPolicy:
 
 
 @dataclass
+class DraftLoopPolicy:
+    # EAGLE: a round's tree steps (draft forwards and top-k) as one function; eager runs them one call each, under
+    # draft_forward.decode and draft_topk.*. Page size 1 without SWA or hisparse (else step by step, with a note)
+    steps: str = "eager"
+
+
+@dataclass
 class StandaloneDraftPolicy:  # draft=standalone's model forwards (its tree steps use draft_topk and build_tree)
     root_logits: str = "eager"  # the root token of each round: B rows of one token
     decode_logits: str = "eager"  # one tree step over B*K branch tokens
@@ -198,6 +205,7 @@ class CompileConf:
     build_tree: BuildTreePolicy = field(default_factory=BuildTreePolicy)
     verify: VerifyPolicy = field(default_factory=VerifyPolicy)
     draft_forward: DraftForwardPolicy = field(default_factory=DraftForwardPolicy)
+    draft_loop: DraftLoopPolicy = field(default_factory=DraftLoopPolicy)
     standalone_draft: StandaloneDraftPolicy = field(default_factory=StandaloneDraftPolicy)
 
 

@@ -31,8 +31,10 @@ AOT_FULL = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
      f"compile.standalone_draft.root_logits={AOT_FULL}", f"compile.standalone_draft.decode_logits={AOT_FULL}",
      f"compile.standalone_draft.extend={AOT_FULL}", f"compile.draft_topk.later={AOT}"],  # its own model forwards
     ["draft=none", f"compile.verify.target_forward={AOT_FULL}"],  # the plain baseline's one forward per step
+    [f"compile.draft_loop.steps={AOT_FULL}", f"compile.draft_forward.extend={AOT_FULL}",
+     f"compile.verify.target_forward={AOT_FULL}"],  # an EAGLE round's tree steps as one graph
 ], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager", "standalone-aot_eager",
-        "plain-aot_eager"])
+        "plain-aot_eager", "draft-loop-aot_eager"])
 def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):
     rng = random.Random(0)
     path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])

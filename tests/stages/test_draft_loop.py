@@ -1,0 +1,91 @@
+"""compile.draft_loop.steps: an EAGLE round's tree steps as one call, with the step-by-step round's tokens."""
+import pytest
+
+from helpers import compose
+from pipeline_spy import run_watched
+
+AOT = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
+BASE = ["model=random_tiny", "device.dtype=float64", "workload.num_prompts=5", "workload.max_new_tokens=12",
+        "workload.batch_size=3"]
+
+
+def counted(monkeypatch, cfg):
+    """Run `cfg`; returns (outputs, metrics, rounds run step by step, Dynamo graphs compiled)."""
+    from specpipe import proposers
+
+    calls = [0]
+    step_by_step = proposers.EagleProposer.step_by_step
+
+    def counting(self, *a):
+        calls[0] += 1
+        return step_by_step(self, *a)
+
+    monkeypatch.setattr(proposers.EagleProposer, "step_by_step", counting)
+    seen = run_watched(monkeypatch, cfg)
+    return ([r.output_ids for r in seen["requests"]], seen["metrics"], calls[0],
+            seen["graphs"][-1] - seen["graphs_before"])
+
+
+@pytest.mark.parametrize("tree", [["draft.topk=1", "draft.num_steps=4", "draft.num_draft_tokens=5"],
+                                  ["draft.topk=3", "draft.num_steps=3", "draft.num_draft_tokens=7"]],
+                         ids=["chain", "tree"])
+def test_one_call_per_round_gives_the_step_by_step_tokens(tree, monkeypatch):
+    eager, m_eager, stepwise, _ = counted(monkeypatch, compose(*BASE, *tree))
+    assert stepwise == m_eager["num_verify_steps"] > 0  # the default: every round step by step
+    fused, m_fused, stepwise, graphs = counted(monkeypatch, compose(*BASE, *tree, f"compile.draft_loop.steps={AOT}"))
+    assert stepwise == 0 and graphs > 0  # every round one compiled call
+    assert fused == eager
+    assert m_fused["accept_length_mean"] == m_eager["accept_length_mean"]
+    assert m_fused.get("unapplied_compile_policies") is None
+
+
+def test_the_loop_body_equals_the_step_by_step_round():
+    """The function itself, eager: the same tree blocks as the per-step calls, on a round that re-ranks."""
+    import numpy as np
+    import torch
+
+    from specpipe.models.random_tiny import build_random_tiny
+    from specpipe.proposers import EagleProposer
+    from specpipe.stages.draft_scratch import FlatScratch
+
+    torch.manual_seed(0)
+    head = build_random_tiny(dtype="float64").draft
+    B, K, S, Lp, H = 2, 3, 4, 16, head.config.hidden_size
+    head.setup_kv(256)
+    prop = EagleProposer(head, K, S, 10)
+    topk_p = torch.softmax(torch.randn(B, K, dtype=torch.float64), -1)
+    topk_index = torch.randint(0, 50, (B, K))
+    hidden = torch.randn(B, H, dtype=torch.float64)
+    prefix = torch.arange(1, 1 + B * Lp).view(B, Lp)
+    valid = torch.arange(Lp)[None, :] < torch.tensor([[9], [14]])
+    cols = torch.arange(100, 100 + B * (S - 1) * K).view(B, S - 1, K)
+    seq = torch.tensor([9, 14])
+    sc = FlatScratch(cols, prefix, valid, seq, 0, None)
+    prop.topk_p, prop.topk_index, prop.draft_hidden = topk_p, topk_index, hidden
+
+    class Prep:
+        device = "cpu"
+
+        @staticmethod
+        def decorate(b):
+            return b
+
+    ref = prop.step_by_step(Prep, head.kv, sc, B)
+    got = prop.loop.steps(topk_p, topk_index, hidden, prefix, valid, cols, seq)
+    assert len(got) == len(ref) == S
+    for (a, b, c), (x, y, z) in zip(got, ref):
+        torch.testing.assert_close(a, x, rtol=0, atol=0)
+        assert torch.equal(b, y) and torch.equal(c, z)
+    assert np.any([not torch.equal(z[:, 0], torch.zeros_like(z[:, 0])) for _, _, z in ref[1:]])
+
+
+def test_allocators_without_the_flat_scratch_run_step_by_step_and_say_so(monkeypatch, capsys):
+    cfg = compose(*BASE, "allocator=paged", "allocator.page_size=4", f"compile.draft_loop.steps={AOT}")
+    out, m, stepwise, _ = counted(monkeypatch, cfg)
+    assert stepwise == m["num_verify_steps"] > 0
+    key = f"compile.draft_loop.steps={AOT.strip(chr(39))}"
+    assert m["unapplied_compile_policies"] == [key]
+    err = capsys.readouterr().err
+    assert "the draft steps run one call each with allocator=paged, since page_size 4 drafts" in err
+    ref, *_ = counted(monkeypatch, compose(*BASE, "allocator=paged", "allocator.page_size=4"))
+    assert out == ref
