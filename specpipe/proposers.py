@@ -41,7 +41,7 @@ class EagleProposer:
         self.topk_stage = DraftTopK(topk, fused_topk)
         self.tree_stage = BuildTree(topk, num_steps, num_draft_tokens)
         self.draft_fwd = DraftForward(head, topk)
-        self.loop = DraftLoop(self.draft_fwd, self.topk_stage, num_steps)
+        self.loop = DraftLoop(self.draft_fwd, self.topk_stage, self.tree_stage, num_steps)
         self.stages = [self.topk_stage, self.tree_stage, self.draft_fwd, self.loop]
         self.one_call = False  # the round's steps run as one `draft_loop.steps` call (see plan_rounds)
         self.bad = None  # [B] draft logits non-finite this round
@@ -107,10 +107,11 @@ class EagleProposer:
         if sc is None:
             raise OutOfKVMemory("KV pool exhausted while drafting")
         if self.one_call:  # flat scratch: begin/follow copy nothing and batches need no decoration
-            blocks = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, sc.prefix_slots,
-                                     sc.prefix_valid, sc.cols, sc.seq_lens)
-        else:
-            blocks = self.step_by_step(prep, kv, sc, B)
+            tree, self.bad = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, sc.prefix_slots,
+                                             sc.prefix_valid, sc.cols, sc.seq_lens, pipe.last_token)
+            prep.end_scratch(sc.state)
+            return Tree(*tree), None
+        blocks = self.step_by_step(prep, kv, sc, B)
         prep.end_scratch(sc.state)
         s_l, t_l, p_l = (list(x) for x in zip(*blocks))
         self.bad = non_finite(s_l, B)

@@ -27,6 +27,19 @@ class Tree:
     retrieve_index: Tensor  # [B, N] flat verify row b*N + j
 
 
+def candidates(score_list: list, token_list: list, parents_list: list) -> tuple[Tensor, Tensor, Tensor]:
+    """The draft steps' blocks as one row per request: scores [B, M], tokens [B, M], parent_list [B, 1 + K(S-1)]
+    (the last step's selections parent nothing)."""
+    B = score_list[0].shape[0]
+    scores = torch.cat([s.reshape(B, -1) for s in score_list], dim=1)
+    tokens = torch.cat([t.reshape(B, -1) for t in token_list], dim=1)
+    if len(parents_list) > 1:
+        parent_list = torch.cat(parents_list[:-1], dim=1)
+    else:
+        parent_list = torch.empty((B, 0), dtype=torch.int64, device=scores.device)
+    return scores, tokens, parent_list
+
+
 class BuildTree(Stage):
     name = "build_tree"
 
@@ -35,14 +48,7 @@ class BuildTree(Stage):
 
     def __call__(self, verified_id: Tensor, score_list: list, token_list: list, parents_list: list,
                  seq_lens: Tensor) -> Tree:
-        B = verified_id.shape[0]
-        scores = torch.cat([s.reshape(B, -1) for s in score_list], dim=1)  # [B, M]
-        tokens = torch.cat([t.reshape(B, -1) for t in token_list], dim=1)  # [B, M]
-        if len(parents_list) > 1:
-            parent_list = torch.cat(parents_list[:-1], dim=1)  # [B, 1 + K(S-1)]
-        else:
-            parent_list = torch.empty((B, 0), dtype=torch.int64, device=scores.device)
-        return Tree(*self.build(verified_id, scores, tokens, parent_list, seq_lens))
+        return Tree(*self.build(verified_id, *candidates(score_list, token_list, parents_list), seq_lens))
 
     @branch
     def build(self, verified_id: Tensor, scores: Tensor, tokens: Tensor, parent_list: Tensor, seq_lens: Tensor):

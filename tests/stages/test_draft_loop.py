@@ -40,8 +40,8 @@ def test_one_call_per_round_gives_the_step_by_step_tokens(tree, monkeypatch):
 
 
 def test_the_loop_body_equals_the_step_by_step_round():
-    """The function itself, eager: the same tree blocks as the per-step calls, on a round that re-ranks."""
-    import numpy as np
+    """The function itself, eager: the tree the per-step calls and build_tree make, on a round that re-ranks; a
+    request whose draft turns NaN is flagged alone."""
     import torch
 
     from specpipe.models.random_tiny import build_random_tiny
@@ -70,13 +70,22 @@ def test_the_loop_body_equals_the_step_by_step_round():
         def decorate(b):
             return b
 
-    ref = prop.step_by_step(Prep, head.kv, sc, B)
-    got = prop.loop.steps(topk_p, topk_index, hidden, prefix, valid, cols, seq)
-    assert len(got) == len(ref) == S
-    for (a, b, c), (x, y, z) in zip(got, ref):
-        torch.testing.assert_close(a, x, rtol=0, atol=0)
-        assert torch.equal(b, y) and torch.equal(c, z)
-    assert np.any([not torch.equal(z[:, 0], torch.zeros_like(z[:, 0])) for _, _, z in ref[1:]])
+    blocks = prop.step_by_step(Prep, head.kv, sc, B)
+    ref = prop.tree_stage(torch.tensor([5, 7]), *(list(x) for x in zip(*blocks)), seq)
+    assert torch.any(ref.parent[:, 2:] > 0)  # a real tree: some node hangs below another draft node
+    tree, bad = prop.loop.steps(topk_p, topk_index, hidden, prefix, valid, cols, seq, torch.tensor([5, 7]))
+    for got, want in zip(tree, astuple_shallow(ref)):
+        assert torch.equal(got, want)
+    assert not bad.any()
+    hidden[1, 0] = float("nan")  # request 1's draft scores turn NaN, request 0's do not
+    _, bad = prop.loop.steps(topk_p, topk_index, hidden, prefix, valid, cols, seq, torch.tensor([5, 7]))
+    assert bad.tolist() == [False, True]
+
+
+def astuple_shallow(tree):
+    import dataclasses
+
+    return [getattr(tree, f.name) for f in dataclasses.fields(tree)]
 
 
 def test_allocators_without_the_flat_scratch_run_step_by_step_and_say_so(monkeypatch, capsys):
