@@ -60,6 +60,7 @@ COMPILED = "compiled forwards"
 TARGET_COMPILED = ["compile.verify.target_forward=compile"]
 DRAFT_COMPILED = ["compile.draft_forward.decode=compile", "compile.draft_forward.extend=compile",
                   "compile.draft_loop.steps=compile"]
+TARGET_COMPILED += ["compile.verify.round=compile"]
 DEFAULT_EAGLE = ["draft.topk=1 draft.num_steps=4", "draft.topk=4 draft.num_steps=5 draft.num_draft_tokens=12"]
 
 

@@ -353,13 +353,21 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
                             d.num_steps, d.num_draft_tokens, wrap, sampling)
     pipe.logprobs = bool(cfg.workload.get("logprobs"))
     pipe.unapplied_policies = unapplied_policies(cfg, wrap.asked)
+    alloc = str(cfg.allocator._target_).split(".")[-2]  # specpipe.allocators.<name>.<Class>
     if isinstance(getattr(pipe, "proposer", None), EagleProposer):
         why = pipe.proposer.plan_rounds(pipe.prep)
         if why:
             key = f"compile.draft_loop.steps={cfg.compile.draft_loop.steps}"
-            alloc = str(cfg.allocator._target_).split(".")[-2]  # specpipe.allocators.<name>.<Class>
             print(f"specpipe: note: {key}: the draft steps run one call each with allocator={alloc}, since {why}; "
                   "compile.draft_forward.decode and compile.draft_topk.* set how those calls run", file=sys.stderr)
+            pipe.unapplied_policies.append(key)
+    if "round" in getattr(getattr(pipe, "verify", None), "wrapped", ()):
+        why = pipe.verify_round_problem()
+        pipe.fused_verify = not why
+        if why:
+            key = f"compile.verify.round={cfg.compile.verify.round}"
+            print(f"specpipe: note: {key}: the rounds verify in separate calls in this run (allocator={alloc}), since "
+                  f"{why}; compile.verify.target_forward and compile.verify.greedy set how those run", file=sys.stderr)
             pipe.unapplied_policies.append(key)
     pipe.compiled_model = wrap.compiled_model
     return pipe

@@ -177,6 +177,9 @@ class BuildTreePolicy:
 class VerifyPolicy:
     target_forward: str = "eager"
     greedy: str = "eager"
+    # a greedy round's verify as one function (tree attention batch, target forward, acceptance, commit bookkeeping);
+    # not with sampling, a repetition penalty, logprobs, SWA or hisparse (those rounds run the two above, with a note)
+    round: str = "eager"
 
 
 @dataclass

@@ -10,11 +10,11 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from specpipe.models.attention_batch import AttentionBatch
 from specpipe.pipeline import OutOfKVMemory, Pipeline, bucket, finite_rows
 from specpipe.stages.draft_scratch import scratch_tokens_per_request
-from specpipe.stages.verify import Verify
+from specpipe.stages.verify import Verify, commit_moves, round_stats, tree_batch
 from specpipe.stages.verify_sampling import VerifySampling
 
 
@@ -25,6 +25,7 @@ class SpecPipeline(Pipeline):
         self.S, self.N = num_steps, num_draft_tokens
         self.growth = num_draft_tokens
         self.proposer = proposer
+        self.fused_verify = False  # rounds verify through one `verify.round` call (app.build_pipeline decides)
         self.feature_layers = getattr(proposer, "feature_layers", None)
         self.verify = Verify(target, num_steps, self.feature_layers)
         self.verify_sampling = VerifySampling(num_steps)
@@ -50,20 +51,19 @@ class SpecPipeline(Pipeline):
         per_request = scratch_tokens_per_request(self.prep.ps, self.proposer.K, self.proposer.scratch_width)
         return batch_size * per_request
 
-    def verify_batch(self, tree, rows_t, L, L_t) -> AttentionBatch:
-        """Prefix fully visible plus the tree mask; tree node j sits at table position L_b + j."""
-        B, N = len(self.reqs), self.N
-        vslots = self.prep.slots(rows_t, L_t, N)  # [B, N]
-        Lv = bucket(L.max() + N)
-        kv_slots = self.prep.slots(rows_t, torch.zeros_like(L_t), Lv)
-        c = torch.arange(Lv, device=self.dev)
-        j = c[None, :] - L_t[:, None]  # [B, Lv] tree index of each column
-        in_tree = (j >= 0) & (j < N)
-        jc = j.clamp(0, N - 1)
-        tree_vis = tree.mask.gather(2, jc[:, None, :].expand(B, N, Lv)) & in_tree[:, None, :]
-        mask = (c[None, :] < L_t[:, None])[:, None, :] | tree_vis  # [B, N, Lv]
-        kv_pos = torch.where(in_tree, L_t[:, None] + tree.depth.gather(1, jc), c[None, :].expand(B, Lv))
-        return self.prep.decorate(AttentionBatch(tree.positions, vslots, kv_slots, mask, kv_pos, table_columns=True))
+    def tree_slots(self, rows_t, L, L_t) -> tuple[Tensor, Tensor]:
+        """The tree's slots (node j at table position L_b + j) [B, N] and the table columns the verify reads [B, Lv]."""
+        return self.prep.slots(rows_t, L_t, self.N), self.prep.slots(rows_t, torch.zeros_like(L_t), bucket(L.max() + self.N))
+
+    def verify_round_problem(self) -> str:
+        """Why greedy rounds cannot verify through one `verify.round` call in this run ('' when they can)."""
+        if not self.sampling.greedy:
+            return "some request samples (verify_sampling runs those rounds)"
+        if self.sampling.penalized:
+            return "a repetition penalty changes each tree node's logits first"
+        if self.logprobs:
+            return "workload.logprobs reads the raw logits"
+        return self.prep.batch_view_problem()
 
     def accept(self, logits, tree, draft_probs, L_t):
         """Greedy acceptance, or lossless sampling (rejection sampling for sampled chains, else target-only);
@@ -78,19 +78,8 @@ class SpecPipeline(Pipeline):
         return self.verify_sampling.sample(probs, tree.tokens, tree.parent, s.seed, L_t)
 
     def round_stats(self, tree, accept_index, logits, in_place):
-        """[B, S+3] per request: sibling rank of each accepted node, linked draft nodes, whether the accepted
-        path's K/V already sits where it is committed (`in_place`), logits finite."""
-        par = tree.parent
-        N = par.shape[1]
-        ar = torch.arange(N, device=par.device)
-        earlier = (par[:, :, None] == par[:, None, :]) & (ar[None, None, :] < ar[None, :, None])
-        rank = earlier.sum(-1)  # [B, N] siblings before each node (0: the draft's first choice)
-        acc_rank = rank.gather(1, accept_index[:, 1:].clamp(min=0))  # [B, S]
-        linked = (par[:, 1:] >= 0).sum(-1, keepdim=True)
-        status = finite_rows(logits.flatten(1)).to(torch.int64)  # 1 ok, 0 target NaN, 2 draft NaN
-        if self.proposer.bad is not None:
-            status = torch.where(self.proposer.bad & (status == 1), torch.full_like(status, 2), status)
-        return torch.cat([acc_rank, linked, in_place.to(torch.int64)[:, None], status[:, None]], 1)
+        """`stages.verify.round_stats` with the proposer's non-finite draft flags."""
+        return round_stats(tree.parent, accept_index, logits, in_place, self.proposer.bad)
 
     @torch.no_grad()
     def step(self) -> list:
@@ -107,23 +96,30 @@ class SpecPipeline(Pipeline):
             self.sampling.limit(int(L.max()) + 1)
         with m.stage("draft"):
             tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
+        fused = self.fused_verify
         with m.stage("prepare_decode"):
             if not self.prep.reserve(self.rows, np.full(B, N, dtype=np.int64)):
                 raise OutOfKVMemory("KV pool exhausted before verify")
-            vbatch = self.verify_batch(tree, rows_t, L, L_t)
+            vslots, kv_slots = self.tree_slots(rows_t, L, L_t)
         with m.stage("verify"):
-            logits, vhidden = self.verify.target_forward(tree.tokens, vbatch)
-            raw = self.raw_logits(logits)
-            accept_index, count, commit = self.accept(logits, tree, draft_probs, L_t)
-            self.sampling.note(commit, count)
+            if fused:
+                bad = self.proposer.bad if self.proposer.bad is not None else torch.zeros(B, dtype=torch.bool,
+                                                                                          device=self.dev)
+                vhidden, accept_index, count, commit, src, tgt, ints = self.verify.round(
+                    tree.tokens, tree.positions, tree.mask, tree.parent, tree.depth, vslots, kv_slots, L_t, bad)
+                raw = None
+            else:
+                vbatch = self.prep.decorate(tree_batch(tree.positions, tree.mask, tree.depth, vslots, kv_slots, L_t))
+                logits, vhidden = self.verify.target_forward(tree.tokens, vbatch)
+                raw = self.raw_logits(logits)
+                accept_index, count, commit = self.accept(logits, tree, draft_probs, L_t)
+                self.sampling.note(commit, count)
         with m.stage("commit"):
             d = torch.arange(S + 1, device=self.dev)
-            src = vbatch.out_slots.gather(1, accept_index.clamp(min=0))  # [B, S+1] slots of accepted nodes
-            tgt = vbatch.out_slots.gather(1, d.clamp(max=N - 1).expand(B, S + 1))  # contiguous positions
-            # nothing to move when every accepted node already sits at its position (a chain, a tree's first branch)
-            in_place = ((src == tgt) | (d[None, :] > count[:, None])).all(1)
-            stats = self.round_stats(tree, accept_index, logits, in_place)
-            host, lps = self.read_back(torch.cat([count[:, None], commit, stats], 1),  # the one host sync of the step
+            if not fused:
+                src, tgt, in_place = commit_moves(vslots, accept_index, count)
+                ints = torch.cat([count[:, None], commit, self.round_stats(tree, accept_index, logits, in_place)], 1)
+            host, lps = self.read_back(ints,  # the one host sync of the step
                                        self.token_logprobs(raw, commit, accept_index.clamp(min=0)))
             kept = np.asarray([self.commit_request(r, h, None if lps is None else lps[i])
                                for i, (r, h) in enumerate(zip(self.reqs, host))])

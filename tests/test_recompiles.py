@@ -32,7 +32,7 @@ AOT_FULL = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
      f"compile.standalone_draft.extend={AOT_FULL}", f"compile.draft_topk.later={AOT}"],  # its own model forwards
     ["draft=none", f"compile.verify.target_forward={AOT_FULL}"],  # the plain baseline's one forward per step
     [f"compile.draft_loop.steps={AOT_FULL}", f"compile.draft_forward.extend={AOT_FULL}",
-     f"compile.verify.target_forward={AOT_FULL}"],  # an EAGLE round's tree steps as one graph
+     f"compile.verify.round={AOT_FULL}"],  # an EAGLE round's draft steps and its verify, one graph each
 ], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager", "standalone-aot_eager",
         "plain-aot_eager", "draft-loop-aot_eager"])
 def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):

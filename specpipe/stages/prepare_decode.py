@@ -205,14 +205,20 @@ class PrepareDecode(Stage):
         return BranchRegions(region, torch.from_numpy(last).to(dev), torch.from_numpy(base).to(dev), prefix,
                              first, state, last + first)
 
+    def batch_view_problem(self) -> str:
+        """Why attention batches need host-side views added here (`decorate`), '' when they do not: a function that
+        builds its batch inside (a compiled round) cannot run here then."""
+        if self.window is not None:
+            return "the SWA window pool's slots are translated for every batch"
+        if self.hot is not None:
+            return "hisparse's hot buffers observe every batch"
+        return ""
+
     def flat_draft_problem(self) -> str:
         """Why a draft round's steps cannot run as one pure tensor function here ('' when they can): page-aligned
-        branch regions copy parents' columns between steps, the SWA window pool and hisparse's hot buffers add
-        host-side views to every step's batch (`decorate`)."""
-        if self.window is not None:
-            return "the SWA window pool's slots are translated for every draft step"
-        if self.hot is not None:
-            return "hisparse's hot buffers observe every draft step"
+        branch regions copy parents' columns between steps; see also `batch_view_problem`."""
+        if self.batch_view_problem():
+            return self.batch_view_problem()
         if self.ps > 1:
             return (f"page_size {self.ps} drafts into page-aligned branch regions, copied between steps (the flat "
                     "scratch needs page_size 1)")

@@ -6,9 +6,13 @@ is the target's prediction at the last accepted node.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
+from specpipe.models.attention_batch import AttentionBatch
+from specpipe.pipeline import finite_rows
 from specpipe.stages.base import Stage, branch
 
 
@@ -37,9 +41,54 @@ class PlainForward(Stage):
         return self.model.logits(self.model(tokens, batch)[:, 0])
 
 
+def tree_batch(positions: Tensor, tree_mask: Tensor, depth: Tensor, vslots: Tensor, kv_slots: Tensor,
+               L_t: Tensor) -> AttentionBatch:
+    """The verify forward's attention: the prefix fully visible plus the tree mask; node j sits at table position
+    L_b + j (vslots [B, N] its slots), kv_slots [B, Lv] the row's table columns [0, Lv)."""
+    B, N = vslots.shape
+    Lv = kv_slots.shape[1]
+    c = torch.arange(Lv, device=vslots.device)
+    j = c[None, :] - L_t[:, None]  # [B, Lv] tree index of each column
+    in_tree = (j >= 0) & (j < N)
+    jc = j.clamp(0, N - 1)
+    tree_vis = tree_mask.gather(2, jc[:, None, :].expand(B, N, Lv)) & in_tree[:, None, :]
+    mask = (c[None, :] < L_t[:, None])[:, None, :] | tree_vis  # [B, N, Lv]
+    kv_pos = torch.where(in_tree, L_t[:, None] + depth.gather(1, jc), c[None, :].expand(B, Lv))
+    return AttentionBatch(positions, vslots, kv_slots, mask, kv_pos, table_columns=True)
+
+
+def commit_moves(vslots: Tensor, accept_index: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Where the accepted path's K/V is (src [B, S+1]) and where it is committed (tgt: the row's next positions),
+    and whether nothing needs to move (in_place [B]: a chain, a tree's first branch)."""
+    B, N = vslots.shape
+    S1 = accept_index.shape[1]
+    d = torch.arange(S1, device=vslots.device)
+    src = vslots.gather(1, accept_index.clamp(min=0))
+    tgt = vslots.gather(1, d.clamp(max=N - 1).expand(B, S1))
+    in_place = ((src == tgt) | (d[None, :] > count[:, None])).all(1)
+    return src, tgt, in_place
+
+
+def round_stats(parent: Tensor, accept_index: Tensor, logits: Tensor, in_place: Tensor,
+                draft_bad: Optional[Tensor]) -> Tensor:
+    """[B, S+3] per request: sibling rank of each accepted node, linked draft nodes, whether the accepted
+    path's K/V already sits where it is committed (`in_place`), logits finite (1 ok, 0 target NaN, 2 draft NaN:
+    draft_bad [B], the drafter's scores were not finite)."""
+    N = parent.shape[1]
+    ar = torch.arange(N, device=parent.device)
+    earlier = (parent[:, :, None] == parent[:, None, :]) & (ar[None, None, :] < ar[None, :, None])
+    rank = earlier.sum(-1)  # [B, N] siblings before each node (0: the draft's first choice)
+    acc_rank = rank.gather(1, accept_index[:, 1:].clamp(min=0))  # [B, S]
+    linked = (parent[:, 1:] >= 0).sum(-1, keepdim=True)
+    status = finite_rows(logits.flatten(1)).to(torch.int64)
+    if draft_bad is not None:
+        status = torch.where(draft_bad & (status == 1), torch.full_like(status, 2), status)
+    return torch.cat([acc_rank, linked, in_place.to(torch.int64)[:, None], status[:, None]], 1)
+
+
 class Verify(Stage):
     name = "verify"
-    model_branches = frozenset({"target_forward"})
+    model_branches = frozenset({"target_forward", "round"})
 
     def __init__(self, target, num_steps: int, feature_layers=None):
         self.model = target
@@ -75,3 +124,17 @@ class Verify(Stage):
         count = (accept_index[:, 1:] >= 0).sum(-1)
         commit = predict.gather(1, accept_index.clamp(min=0))  # [B, S+1]
         return accept_index, count, commit
+
+    @branch
+    def round(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor, parent: Tensor, depth: Tensor,
+              vslots: Tensor, kv_slots: Tensor, L_t: Tensor, draft_bad: Tensor):
+        """A greedy round's verify as one function: the tree's attention batch, the target forward, greedy
+        acceptance, and what the commit reads (`commit_moves`, `round_stats`). Compiled, these are one call
+        instead of some 60 eager ops around it. Returns vhidden [B, N, H], accept_index, count, commit, src, tgt
+        and the host row ints [B, 1 + (S+1) + S+3] (count, commit, stats) the commit reads back."""
+        batch = tree_batch(positions, tree_mask, depth, vslots, kv_slots, L_t)
+        logits, vhidden = target_features(self.model, tokens, batch, self.feature_layers)
+        accept_index, count, commit = Verify.greedy(self, logits.argmax(-1), tokens, parent, tree_mask)
+        src, tgt, in_place = commit_moves(vslots, accept_index, count)
+        stats = round_stats(parent, accept_index, logits, in_place, draft_bad)
+        return vhidden, accept_index, count, commit, src, tgt, torch.cat([count[:, None], commit, stats], 1)
