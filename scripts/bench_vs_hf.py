@@ -18,8 +18,8 @@ tokenizing, validation and KV setup included).
             draft=eagle (--eagle-configs),
             draft=standalone (draft.path = the same truncated folder)     batch 1 and batch B
     specpipe the draft=none, n-gram trie, suffix and EAGLE rows again with the model forwards compiled
-            (compile.verify.target_forward=compile, EAGLE also compile.draft_forward.*=compile and
-            compile.draft_loop.steps=compile; --eager-only
+            (compile.verify.target_forward=compile; n-gram, suffix and EAGLE also compile.verify.round=compile;
+            EAGLE also compile.draft_forward.*=compile and compile.draft_loop.steps=compile; --eager-only
             leaves them out). They compile in the warm-up round, so the timed rounds exclude compile time.
 
 HF assisted generation (prompt lookup and draft models alike) is batch-1 only; the script calls it at
@@ -58,9 +58,9 @@ PAD, EOS = 256, 257  # the byte-level pair: ids 0..255 are UTF-8 bytes, 256 BOS 
 # round, reused by every later run on it; the rest of the pipeline as in the eager rows
 COMPILED = "compiled forwards"
 TARGET_COMPILED = ["compile.verify.target_forward=compile"]
+SPEC_COMPILED = ["compile.verify.round=compile"]  # a speculative round's verify in one call (draft=none has none)
 DRAFT_COMPILED = ["compile.draft_forward.decode=compile", "compile.draft_forward.extend=compile",
                   "compile.draft_loop.steps=compile"]
-TARGET_COMPILED += ["compile.verify.round=compile"]
 DEFAULT_EAGLE = ["draft.topk=1 draft.num_steps=4", "draft.topk=4 draft.num_steps=5 draft.num_draft_tokens=12"]
 
 
@@ -320,14 +320,15 @@ def main() -> None:
             if compiled:
                 methods.append(Method(f"specpipe draft=none{tag}", b, sp_fn(b, ["draft=none", *compiled]), "sp"))
                 methods.append(Method(f"specpipe draft=ngram (default trie){tag}", b,
-                                      sp_fn(b, ["draft=ngram", *compiled]), "sp", "hf_pld"))
-                methods.append(Method(f"specpipe draft=suffix{tag}", b, sp_fn(b, ["draft=suffix", *compiled]),
-                                      "sp", "hf_pld"))
+                                      sp_fn(b, ["draft=ngram", *compiled, *SPEC_COMPILED]), "sp", "hf_pld"))
+                methods.append(Method(f"specpipe draft=suffix{tag}", b,
+                                      sp_fn(b, ["draft=suffix", *compiled, *SPEC_COMPILED]), "sp", "hf_pld"))
             for c in args.eagle_configs if pair.draft is not None else ():
                 short = c.replace("draft.", "").replace("num_draft_tokens", "ntok").replace("num_steps", "steps")
                 methods.append(Method(f"specpipe draft=eagle ({short}){tag}", b,
                                       sp_fn(b, ["draft=eagle", *c.split(), *compiled,
-                                                *(DRAFT_COMPILED if compiled else [])]), "sp", "hf_draft_assisted"))
+                                                *((SPEC_COMPILED + DRAFT_COMPILED) if compiled else [])]), "sp",
+                                      "hf_draft_assisted"))
     for b in (1, B):  # last: run() keeps the standalone model on the pair once loaded
         methods.append(Method(f"specpipe draft=standalone (num_steps={args.standalone_steps})", b,
                               sp_fn(b, ["draft=standalone", f"draft.path={draft_dir}",
