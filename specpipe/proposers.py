@@ -107,8 +107,9 @@ class EagleProposer:
         if sc is None:
             raise OutOfKVMemory("KV pool exhausted while drafting")
         if self.one_call:  # flat scratch: begin/follow copy nothing and batches need no decoration
+            # cols is a view into the allocator's free list: its storage offset, guarded as 0, 1 or >= 2, recompiled
             tree, self.bad = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, sc.prefix_slots,
-                                             sc.prefix_valid, sc.cols, sc.seq_lens, pipe.last_token)
+                                             sc.prefix_valid, sc.cols.clone(), sc.seq_lens, pipe.last_token)
             prep.end_scratch(sc.state)
             return Tree(*tree), None
         blocks = self.step_by_step(prep, kv, sc, B)

@@ -6,12 +6,32 @@ calls, no Python state, so any of them can be compiled or graph-captured.
 """
 from __future__ import annotations
 
-from typing import Callable
+import types
+from typing import Callable, Hashable
 
 
 def branch(fn: Callable) -> Callable:
     fn.__specpipe_branch__ = True
     return fn
+
+
+_PER_SHAPE: dict = {}
+
+
+def per_shape(method: Callable, key: Hashable) -> Callable:
+    """`method` (a bound branch) rebound to a copy of its function with a code object of its own per `key`.
+
+    For branches whose graph unrolls a Python loop over the tree shape (draft steps, accepted depths): Dynamo keeps
+    its compiled graphs per code object, at most `recompile_limit` (8) of them, so one code object shared by every
+    shape of an in-process sweep ran eager from the ninth shape on. One code object per shape keeps each shape's
+    graph, which a later job of the same shape reuses."""
+    f = method.__func__
+    k = (f.__module__, f.__qualname__, key)
+    if k not in _PER_SHAPE:
+        g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+        g.__qualname__, g.__doc__, g.__dict__ = f.__qualname__, f.__doc__, dict(f.__dict__)
+        _PER_SHAPE[k] = g
+    return types.MethodType(_PER_SHAPE[k], method.__self__)
 
 
 class Stage:

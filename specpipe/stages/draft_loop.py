@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from specpipe.pipeline import finite_rows
-from specpipe.stages.base import Stage, branch
+from specpipe.stages.base import Stage, branch, per_shape
 from specpipe.stages.build_tree import BuildTree, candidates
 from specpipe.stages.draft_forward import DraftForward, advance_visibility, draft_decode_batch
 from specpipe.stages.draft_topk import DraftTopK
@@ -32,6 +32,7 @@ class DraftLoop(Stage):
     def __init__(self, draft_fwd: DraftForward, topk_stage: DraftTopK, tree_stage: BuildTree, num_steps: int):
         self.draft_fwd, self.topk_stage, self.tree_stage = draft_fwd, topk_stage, tree_stage
         self.K, self.S = topk_stage.topk, num_steps
+        self.steps = per_shape(self.steps, (self.K, self.S, tree_stage.num_draft_tokens))  # unrolls S steps
 
     @branch
     def steps(self, topk_p: Tensor, topk_index: Tensor, hidden: Tensor, prefix_slots: Tensor, prefix_valid: Tensor,

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from specpipe.models.attention_batch import AttentionBatch
 from specpipe.pipeline import finite_rows
-from specpipe.stages.base import Stage, branch
+from specpipe.stages.base import Stage, branch, per_shape
 
 
 def target_features(model, tokens: Tensor, batch, feature_layers=None):
@@ -94,6 +94,7 @@ class Verify(Stage):
         self.model = target
         self.num_steps = num_steps
         self.feature_layers = feature_layers  # EAGLE-3: the draft reads these layers' outputs, concatenated
+        self.round = per_shape(self.round, num_steps)  # its acceptance lays out S+1 depths
 
     @branch
     def target_forward(self, tokens: Tensor, batch):

@@ -97,3 +97,24 @@ def test_allocators_without_the_flat_scratch_run_step_by_step_and_say_so(monkeyp
     assert "the draft steps run one call each with allocator=paged, since page_size 4 drafts" in err
     ref, *_ = counted(monkeypatch, compose(*BASE, "allocator=paged", "allocator.page_size=4"))
     assert out == ref
+
+
+def test_every_tree_shape_keeps_its_own_graphs():
+    """The round's graphs unroll the tree shape; sharing one code object, an in-process sweep's shapes used up
+    Dynamo's recompile limit (8 per code object) and later shapes ran eager. Here with the limit at 2 and three
+    shapes: no limit hit, each shape's tokens as eager, and a repeated shape compiles nothing new."""
+    import torch._dynamo.config as dynamo_config
+
+    from specpipe.app import run
+    from specpipe.metrics import recompile_count
+
+    policy = [f"compile.draft_loop.steps={AOT}", f"compile.verify.round={AOT}"]
+    shapes = [["draft.topk=1", f"draft.num_steps={s}", f"draft.num_draft_tokens={s + 1}"] for s in (2, 3, 5)]
+    with dynamo_config.patch(recompile_limit=2):  # (a config module: monkeypatch's undo would delete the key)
+        for shape in shapes + shapes[:1]:
+            before = recompile_count()
+            m = run(compose(*BASE, *shape, *policy), quiet=True)
+            assert m["metrics"]["recompile_limit_hits"] == 0, shape
+            eager = run(compose(*BASE, *shape), quiet=True)["requests"]
+            assert [r.output_ids for r in m["requests"]] == [r.output_ids for r in eager]
+    assert recompile_count() == before  # the repeated first shape reused its graphs
