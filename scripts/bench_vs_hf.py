@@ -18,7 +18,8 @@ tokenizing, validation and KV setup included).
             draft=eagle (--eagle-configs),
             draft=standalone (draft.path = the same truncated folder)     batch 1 and batch B
     specpipe the draft=none, n-gram trie, suffix and EAGLE rows again with the model forwards compiled
-            (compile.verify.target_forward=compile; n-gram, suffix and EAGLE also compile.verify.round=compile;
+            (compile.verify.target_forward=compile and compile.prefill.target_forward=compile; n-gram, suffix
+            and EAGLE also compile.verify.round=compile;
             EAGLE also compile.draft_forward.*=compile and compile.draft_loop.steps=compile; --eager-only
             leaves them out). They compile in the warm-up round, so the timed rounds exclude compile time.
 
@@ -57,7 +58,7 @@ PAD, EOS = 256, 257  # the byte-level pair: ids 0..255 are UTF-8 bytes, 256 BOS 
 # the model forwards under torch.compile (inductor, dynamic shapes): compiled once per loaded model in the warm-up
 # round, reused by every later run on it; the rest of the pipeline as in the eager rows
 COMPILED = "compiled forwards"
-TARGET_COMPILED = ["compile.verify.target_forward=compile"]
+TARGET_COMPILED = ["compile.verify.target_forward=compile", "compile.prefill.target_forward=compile"]
 SPEC_COMPILED = ["compile.verify.round=compile"]  # a speculative round's verify in one call (draft=none has none)
 DRAFT_COMPILED = ["compile.draft_forward.decode=compile", "compile.draft_forward.extend=compile",
                   "compile.draft_loop.steps=compile"]

@@ -16,6 +16,7 @@ from torch import Tensor
 from specpipe.metrics import Metrics
 from specpipe.sampling import SamplingState
 from specpipe.models.attention_batch import AttentionBatch, extend_batch
+from specpipe.stages.prefill import PrefillForward
 from specpipe.stages.prepare_decode import PrepareDecode
 
 
@@ -143,6 +144,7 @@ class Pipeline:
         self.last_token = torch.zeros(0, dtype=torch.int64, device=self.dev)  # [B]
         self.sampling = sampling or SamplingState(0.0, 1.0, 0, self.dev)
         self.feature_layers = None  # EAGLE-3 drafters read these target layers instead of the final hidden
+        self.prefill = PrefillForward(target)  # the padded prefill's forward (bound by the subclasses)
         self.finished_log: list[Request] = []  # finished since the runner last looked (it drains this)
         self.logprobs = False  # workload.logprobs: record each committed token's raw target log-probability
 
@@ -322,17 +324,16 @@ class Pipeline:
         batch.fresh_causal = True
         packed = self.pack_prefill(batch, lens, T) if len(reqs) > 1 and int(lens.min()) < T else None
         fwd_ids, fwd_batch = (ids, batch) if packed is None else (ids.reshape(1, -1)[:, packed[0]], packed[1])
-        if self.feature_layers:  # EAGLE-3: hidden = the chosen layers' outputs (features)
-            final, hidden = self.target(fwd_ids, fwd_batch, aux_layers=self.feature_layers)
-        else:
-            final = hidden = self.target(fwd_ids, fwd_batch)  # [B, T, H]
-        if packed is None:
+        if packed is None:  # (compile.prefill.target_forward's branch)
+            hidden, logits = self.prefill.target_forward(ids, batch, last)  # [B, T, H], [B, V]
             pf = Prefill(rows_np, lens, ids, batch, last, _hidden=hidden)
-            newest = final[torch.arange(len(reqs), device=self.dev), last]
         else:
+            if self.feature_layers:  # EAGLE-3: hidden = the chosen layers' outputs (features)
+                final, hidden = self.target(fwd_ids, fwd_batch, aux_layers=self.feature_layers)
+            else:
+                final = hidden = self.target(fwd_ids, fwd_batch)  # [1, sum(lens), H]
             pf = Prefill(rows_np, lens, ids, batch, last, packed=packed[1], flat=packed[0], packed_hidden=hidden)
-            newest = final[0, pf.ends]
-        logits = self.target.logits(newest)  # [B, V]
+            logits = self.target.logits(final[0, pf.ends])  # [B, V]
         self.prep.commit(rows_np, lens)
         self.prep.after_commit(rows_np)
         return pf, logits
@@ -489,9 +490,10 @@ class PlainPipeline(Pipeline):
 
         super().__init__(target, allocator, device, max_requests, max_context, eos_token_id, metrics, sampling)
         self.forward = PlainForward(target)
-        self.stages = [self.forward]
-        if wrap is not None:  # compile.verify.target_forward's policy
-            self.forward.bind(wrap)
+        self.stages = [self.forward, self.prefill]
+        if wrap is not None:  # compile.verify.target_forward's and compile.prefill.target_forward's policies
+            for st in self.stages:
+                st.bind(wrap)
 
     def step(self) -> list[Request]:
         """One token per request; returns requests retracted for lack of KV (to re-queue)."""

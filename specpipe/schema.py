@@ -189,6 +189,12 @@ class DraftForwardPolicy:
 
 
 @dataclass
+class PrefillPolicy:
+    # the target's forward over fresh prompts, padded form (a packed or chunked prefill stays eager)
+    target_forward: str = "eager"
+
+
+@dataclass
 class DraftLoopPolicy:
     # EAGLE: a round's tree steps (draft forwards and top-k) as one function; eager runs them one call each, under
     # draft_forward.decode and draft_topk.*. Page size 1 without SWA or hisparse (else step by step, with a note)
@@ -209,6 +215,7 @@ class CompileConf:
     verify: VerifyPolicy = field(default_factory=VerifyPolicy)
     draft_forward: DraftForwardPolicy = field(default_factory=DraftForwardPolicy)
     draft_loop: DraftLoopPolicy = field(default_factory=DraftLoopPolicy)
+    prefill: PrefillPolicy = field(default_factory=PrefillPolicy)
     standalone_draft: StandaloneDraftPolicy = field(default_factory=StandaloneDraftPolicy)
 
 

@@ -29,7 +29,8 @@ class SpecPipeline(Pipeline):
         self.feature_layers = getattr(proposer, "feature_layers", None)
         self.verify = Verify(target, num_steps, self.feature_layers)
         self.verify_sampling = VerifySampling(num_steps)
-        self.stages = [*proposer.stages, self.verify, self.verify_sampling, self.prep]
+        self.prefill.feature_layers = self.feature_layers
+        self.stages = [*proposer.stages, self.verify, self.verify_sampling, self.prefill, self.prep]
         for st in self.stages:
             st.bind(wrap)
 

@@ -141,7 +141,7 @@ def test_a_policy_for_a_branch_the_run_does_not_have_is_named(capsys):
     assert m["unapplied_compile_policies"] == ["compile.verify.greedy=compile"]
     err = capsys.readouterr().err
     assert "no branch of this run (draft=none) reads it, so it compiles nothing" in err
-    assert "the run's branches: verify.target_forward)" in err
+    assert "the run's branches: prefill.target_forward, verify.target_forward)" in err
     m = run(compose(*base, "draft=ngram", "compile.draft_topk.later=eager", "compile.build_tree.build=eager"),
             quiet=True)["metrics"]
     assert "unapplied_compile_policies" not in m and "compiles nothing" not in capsys.readouterr().err
