@@ -108,7 +108,25 @@ def test_presets_validate_everywhere_but_graph_on_cpu(preset, device):
 
 
 def test_presets_exist():
-    assert {"eager", "split", "whole", "auto", "graph"} <= set(PRESETS)
+    assert {"eager", "split", "whole", "auto", "graph", "rounds"} <= set(PRESETS)
+
+
+def test_the_rounds_preset_runs_each_round_as_two_calls():
+    """compile=rounds: with it a greedy EAGLE run's rounds take the one-call paths (drafting and verify), and its
+    prefill and extend compile; nothing it sets goes unread for draft=eagle."""
+    from specpipe.app import build_pipeline
+    from specpipe.models.random_tiny import build_random_tiny
+
+    cfg = compose("model=random_tiny", "compile=rounds")
+    asked = {f"{st}.{b}" for st, branches in cfg.compile.items() for b, v in branches.items() if v == "compile"}
+    assert {"verify.round", "draft_loop.steps", "prefill.target_forward", "draft_forward.extend"} <= asked
+    from specpipe.allocators.token import TokenAllocator
+    from specpipe.metrics import Metrics
+    from specpipe.devices.cpu import CpuDevice
+
+    pipe = build_pipeline(cfg, CpuDevice(), build_random_tiny(), TokenAllocator(256), [], Metrics(cfg.draft.num_steps))
+    assert pipe.fused_verify and pipe.proposer.one_call and not pipe.unapplied_policies
+    assert {"steps"} <= pipe.proposer.loop.wrapped and {"target_forward"} <= pipe.prefill.wrapped
 
 
 def test_bad_policy_fails_validation_with_the_key_and_caret():
