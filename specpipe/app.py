@@ -364,6 +364,8 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     if "round" in getattr(getattr(pipe, "verify", None), "wrapped", ()):
         why = pipe.verify_round_problem()
         pipe.fused_verify = not why
+        if pipe.fused_verify and isinstance(pipe.proposer, EagleProposer):  # its extend joins the verify's call
+            pipe.verify.draft = pipe.proposer.draft_fwd
         if why:
             key = f"compile.verify.round={cfg.compile.verify.round}"
             print(f"specpipe: note: {key}: the rounds verify in separate calls in this run (allocator={alloc}), since "

@@ -106,8 +106,9 @@ class SpecPipeline(Pipeline):
             if fused:
                 bad = self.proposer.bad if self.proposer.bad is not None else torch.zeros(B, dtype=torch.bool,
                                                                                           device=self.dev)
-                vhidden, accept_index, count, commit, src, tgt, ints = self.verify.round(
-                    tree.tokens, tree.positions, tree.mask, tree.parent, tree.depth, vslots, kv_slots, L_t, bad)
+                vhidden, accept_index, count, commit, src, tgt, ints, *next_start = self.verify.round(
+                    tree.tokens, tree.positions, tree.mask, tree.parent, tree.depth, vslots, kv_slots, L_t, bad,
+                    self.prep.table[rows_t] if self.verify.draft is not None else vslots)
                 raw = None
             else:
                 vbatch = self.prep.decorate(tree_batch(tree.positions, tree.mask, tree.depth, vslots, kv_slots, L_t))
@@ -136,7 +137,12 @@ class SpecPipeline(Pipeline):
             self.prep.after_commit(self.rows[unfinished])
         with m.stage("draft_extend"):
             old_last = self.last_token
-            if unfinished.any():
+            counts = np.asarray([h[0] for h in host], dtype=np.int64)
+            if fused and next_start[0] is not None and np.array_equal(kept[unfinished], counts[unfinished] + 1):
+                # verify.round already ran the head's extend as if every request kept count + 1 tokens: those that
+                # go on did (the others leave the batch in drop_finished)
+                self.proposer.topk_p, self.proposer.topk_index, self.proposer.draft_hidden, self.last_token = next_start
+            elif unfinished.any():
                 u = torch.from_numpy(np.flatnonzero(unfinished)).to(self.dev)
                 self.proposer.after_verify(self, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
                 self.last_token = old_last.clone()

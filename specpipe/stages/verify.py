@@ -11,9 +11,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from specpipe.models.attention_batch import AttentionBatch
+from specpipe.models.attention_batch import AttentionBatch, extend_batch
 from specpipe.pipeline import finite_rows
 from specpipe.stages.base import Stage, branch, per_shape
+from specpipe.stages.draft_forward import DraftForward
 
 
 def target_features(model, tokens: Tensor, batch, feature_layers=None):
@@ -95,6 +96,7 @@ class Verify(Stage):
         self.num_steps = num_steps
         self.feature_layers = feature_layers  # EAGLE-3: the draft reads these layers' outputs, concatenated
         self.round = per_shape(self.round, num_steps)  # its acceptance lays out S+1 depths
+        self.draft = None  # an EAGLE head's DraftForward: `round` also runs its extend over the committed tokens
 
     @branch
     def target_forward(self, tokens: Tensor, batch):
@@ -128,14 +130,29 @@ class Verify(Stage):
 
     @branch
     def round(self, tokens: Tensor, positions: Tensor, tree_mask: Tensor, parent: Tensor, depth: Tensor,
-              vslots: Tensor, kv_slots: Tensor, L_t: Tensor, draft_bad: Tensor):
+              vslots: Tensor, kv_slots: Tensor, L_t: Tensor, draft_bad: Tensor, row_table: Tensor):
         """A greedy round's verify as one function: the tree's attention batch, the target forward, greedy
         acceptance, and what the commit reads (`commit_moves`, `round_stats`). Compiled, these are one call
-        instead of some 60 eager ops around it. Returns vhidden [B, N, H], accept_index, count, commit, src, tgt
-        and the host row ints [B, 1 + (S+1) + S+3] (count, commit, stats) the commit reads back."""
+        instead of some 60 eager ops around it. Returns vhidden [B, N, H], accept_index, count, commit, src, tgt,
+        the host row ints [B, 1 + (S+1) + S+3] (count, commit, stats) the commit reads back, and with an EAGLE
+        head attached (`draft`) its extend over the committed tokens (topk_p, topk_index, hidden: the next
+        round's start) and each request's new root token, else four Nones. row_table [B, C]: the requests' rows of
+        the slot table (every input has the batch as its first dim).
+
+        The extend runs before the host knows which requests stopped: a request that goes on keeps every token
+        it accepted (count + 1), and a stopped one leaves the batch, so what is computed for it goes unused."""
         batch = tree_batch(positions, tree_mask, depth, vslots, kv_slots, L_t)
         logits, vhidden = target_features(self.model, tokens, batch, self.feature_layers)
         accept_index, count, commit = Verify.greedy(self, logits.argmax(-1), tokens, parent, tree_mask)
         src, tgt, in_place = commit_moves(vslots, accept_index, count)
         stats = round_stats(parent, accept_index, logits, in_place, draft_bad)
-        return vhidden, accept_index, count, commit, src, tgt, torch.cat([count[:, None], commit, stats], 1)
+        ints = torch.cat([count[:, None], commit, stats], 1)
+        if self.draft is None:
+            return vhidden, accept_index, count, commit, src, tgt, ints, None, None, None, None
+        H, S1 = vhidden.shape[-1], commit.shape[1]
+        hid = vhidden.gather(1, accept_index.clamp(min=0)[:, :, None].expand(-1, -1, H))  # [B, S+1, H]
+        rows = torch.arange(row_table.shape[0], device=row_table.device)  # row_table [B, C]: each request's slots
+        ext = extend_batch(row_table, rows, L_t, count + 1, S1, kv_slots.shape[1])  # within the verify's columns
+        p, idx, h = DraftForward.extend(self.draft, commit, hid, ext, count)
+        root = commit.gather(1, count[:, None])[:, 0]
+        return vhidden, accept_index, count, commit, src, tgt, ints, p, idx, h, root

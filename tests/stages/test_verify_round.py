@@ -22,7 +22,17 @@ def counted(monkeypatch, cfg):
         return accept(self, *a)
 
     monkeypatch.setattr(SpecPipeline, "accept", counting)
+    from specpipe.proposers import EagleProposer
+
+    after = EagleProposer.after_verify
+
+    def counting_extend(self, *a):
+        calls.append("extend")
+        return after(self, *a)
+
+    monkeypatch.setattr(EagleProposer, "after_verify", counting_extend)
     seen = run_watched(monkeypatch, cfg)
+    counted.extends = calls.count("extend")
     return [r.output_ids for r in seen["requests"]], seen["metrics"], calls[0], seen["pipe"].fused_verify
 
 
@@ -33,8 +43,11 @@ def counted(monkeypatch, cfg):
 def test_one_verify_call_per_round_gives_the_separate_calls_tokens(draft, monkeypatch):
     eager, m_eager, separate, _ = counted(monkeypatch, compose(*BASE, *draft))
     assert separate == m_eager["num_verify_steps"] > 0
+    eager_extends = counted.extends
     fused, m_fused, separate, one_call = counted(monkeypatch, compose(*BASE, *draft, f"compile.verify.round={AOT}"))
     assert separate == 0 and one_call
+    if draft[0] != "draft=ngram":  # EAGLE: the head's extend over the committed tokens ran inside the verify call
+        assert eager_extends > 0 and counted.extends == 0
     assert fused == eager
     for key in ("accept_length_mean", "acceptance_rate_per_position", "kv_leaked_slots"):
         assert m_fused[key] == m_eager[key], key
