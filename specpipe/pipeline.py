@@ -16,7 +16,7 @@ from torch import Tensor
 from specpipe.metrics import Metrics
 from specpipe.sampling import SamplingState
 from specpipe.models.attention_batch import AttentionBatch, extend_batch
-from specpipe.stages.prefill import PrefillForward
+from specpipe.stages.prefill import PrefillForward, target_hidden
 from specpipe.stages.prepare_decode import PrepareDecode
 
 
@@ -328,10 +328,7 @@ class Pipeline:
             hidden, logits = self.prefill.target_forward(ids, batch, last)  # [B, T, H], [B, V]
             pf = Prefill(rows_np, lens, ids, batch, last, _hidden=hidden)
         else:
-            if self.feature_layers:  # EAGLE-3: hidden = the chosen layers' outputs (features)
-                final, hidden = self.target(fwd_ids, fwd_batch, aux_layers=self.feature_layers)
-            else:
-                final = hidden = self.target(fwd_ids, fwd_batch)  # [1, sum(lens), H]
+            final, hidden = target_hidden(self.target, fwd_ids, fwd_batch, self.feature_layers)  # [1, sum(lens), H]
             pf = Prefill(rows_np, lens, ids, batch, last, packed=packed[1], flat=packed[0], packed_hidden=hidden)
             logits = self.target.logits(final[0, pf.ends])  # [B, V]
         self.prep.commit(rows_np, lens)

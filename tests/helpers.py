@@ -92,3 +92,26 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def random_eagle3_pair(pair_seed: int = 4, head_seed: int = 0, num_layers: int = 4, **head_kwargs):
+    """A float64 random_tiny target of `num_layers` with an EAGLE-3 head (aux layers 0, 1, 3; 200 draft ids that
+    are target ids) of random weights, norms left at one."""
+    from specpipe.models.eagle3 import Eagle3Head
+    from specpipe.models.random_tiny import build_random_tiny
+
+    pair = build_random_tiny(seed=pair_seed, dtype="float64", num_layers=num_layers)
+    kwargs = {"draft_vocab_size": 200, "aux_layers": [0, 1, 3], **head_kwargs}
+    pair.draft = randomize_eagle3(Eagle3Head(pair.target.config, pair.target, **kwargs), head_seed)
+    return pair
+
+
+def randomize_eagle3(head, seed: int):
+    """Random weights (norms left at one); draft ids are target ids (d2t zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 / max(1, p.shape[-1]) ** 0.5)
+        head.d2t.zero_()
+    return head.to(torch.float64)

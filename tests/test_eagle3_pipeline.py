@@ -3,23 +3,12 @@ import copy
 
 import torch
 
-from helpers import compose
+from helpers import compose, randomize_eagle3
 from specpipe.app import run
 from specpipe.models.eagle3 import Eagle3Head
 from specpipe.models.random_tiny import build_random_tiny
 
 PROMPTS = ["def main():", "x = [1, 2, 3]\nfor i in x:", "import os"]
-
-
-def _randomize(head: Eagle3Head, seed: int) -> Eagle3Head:
-    """Random weights (norms left at one); draft ids are target ids (d2t zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 / max(1, p.shape[-1]) ** 0.5)
-        head.d2t.zero_()
-    return head.to(torch.float64)
 
 
 def _plain_and_drafted(pair, prompts_file, *drafted):
@@ -35,7 +24,7 @@ def _plain_and_drafted(pair, prompts_file, *drafted):
 
 def test_eagle3_head_drafts_losslessly(prompts_file):
     pair = build_random_tiny(seed=4, dtype="float64", num_layers=4)
-    pair.draft = _randomize(Eagle3Head(pair.target.config, pair.target, draft_vocab_size=200, aux_layers=[0, 1, 3]), 0)
+    pair.draft = randomize_eagle3(Eagle3Head(pair.target.config, pair.target, draft_vocab_size=200, aux_layers=[0, 1, 3]), 0)
     want, out = _plain_and_drafted(pair, prompts_file)
     assert [r.output_ids for r in out["requests"]] == want
     # the target's forwards that also return aux layers go through its forward (and so the model timer)
@@ -48,7 +37,7 @@ def test_eagle3_head_without_aux_hidden_states_drafts_losslessly_from_the_final_
     head's first forward (the draft extend over the prompt) sees exactly the target's final hidden of the prompt."""
     pair = build_random_tiny(seed=4, dtype="float64", num_layers=4)
     t = pair.target
-    head = pair.draft = _randomize(Eagle3Head(t.config, t, use_aux_hidden_state=False), 0)
+    head = pair.draft = randomize_eagle3(Eagle3Head(t.config, t, use_aux_hidden_state=False), 0)
     seen = []
     forward = head.forward
     head.forward = lambda ids, hidden, batch=None, **kw: (seen.append(hidden.detach().clone()),
@@ -67,7 +56,7 @@ def test_eagle3_head_of_two_layers_drafts_losslessly(prompts_file):
     pair = build_random_tiny(seed=4, dtype="float64", num_layers=4)
     cfg = copy.deepcopy(pair.target.config)
     cfg.num_hidden_layers = 2
-    head = pair.draft = _randomize(Eagle3Head(cfg, pair.target, draft_vocab_size=200, aux_layers=[0, 1, 3]), 1)
+    head = pair.draft = randomize_eagle3(Eagle3Head(cfg, pair.target, draft_vocab_size=200, aux_layers=[0, 1, 3]), 1)
     want, out = _plain_and_drafted(pair, prompts_file)
     assert [r.output_ids for r in out["requests"]] == want
     assert len(head.kv.keys) == 2

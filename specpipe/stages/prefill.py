@@ -14,6 +14,15 @@ from torch import Tensor
 from specpipe.stages.base import Stage, branch
 
 
+def target_hidden(model, ids: Tensor, batch, feature_layers=None) -> tuple[Tensor, Tensor]:
+    """The target's final hidden and the features a drafter reads: the final hidden itself, or (EAGLE-3) the
+    chosen layers' outputs."""
+    if feature_layers:
+        return model(ids, batch, aux_layers=feature_layers)
+    final = model(ids, batch)
+    return final, final
+
+
 class PrefillForward(Stage):
     name = "prefill"
     model_branches = frozenset({"target_forward"})
@@ -26,9 +35,6 @@ class PrefillForward(Stage):
     def target_forward(self, ids: Tensor, batch, last: Tensor):
         """ids [B, T] right-padded prompts, last [B] each one's newest position -> (hidden [B, T, H]: what the
         drafter reads (the final hidden, or EAGLE-3's chosen layers), logits [B, V] at the newest tokens)."""
-        if self.feature_layers:
-            final, hidden = self.model(ids, batch, aux_layers=self.feature_layers)
-        else:
-            final = hidden = self.model(ids, batch)
+        final, hidden = target_hidden(self.model, ids, batch, self.feature_layers)
         newest = final.gather(1, last[:, None, None].expand(-1, 1, final.shape[-1]))[:, 0]
         return hidden, self.model.logits(newest)

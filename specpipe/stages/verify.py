@@ -15,15 +15,13 @@ from specpipe.models.attention_batch import AttentionBatch, extend_batch
 from specpipe.pipeline import finite_rows
 from specpipe.stages.base import Stage, branch, per_shape
 from specpipe.stages.draft_forward import DraftForward
+from specpipe.stages.prefill import target_hidden
 
 
 def target_features(model, tokens: Tensor, batch, feature_layers=None):
     """Logits and the hidden features a drafter consumes: the final hidden, or (EAGLE-3) chosen layers."""
-    if feature_layers:
-        hidden, feats = model(tokens, batch, aux_layers=feature_layers)
-        return model.logits(hidden), feats
-    hidden = model(tokens, batch)
-    return model.logits(hidden), hidden
+    final, hidden = target_hidden(model, tokens, batch, feature_layers)
+    return model.logits(final), hidden
 
 
 class PlainForward(Stage):

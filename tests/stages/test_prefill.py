@@ -1,8 +1,7 @@
 """compile.prefill.target_forward: the padded prefill's forward compiled, with the eager prefill's tokens."""
 import pytest
-import torch
 
-from helpers import compose
+from helpers import compose, random_eagle3_pair
 from pipeline_spy import run_watched
 
 AOT = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
@@ -28,18 +27,7 @@ def test_a_compiled_prefill_decodes_like_the_eager_one(draft, monkeypatch):
 
 def test_an_eagle3_target_prefill_compiled_gives_its_features(monkeypatch):
     """EAGLE-3 reads chosen target layers at prefill: the compiled branch returns those, not the final hidden."""
-    from specpipe.models.eagle3 import Eagle3Head
-    from specpipe.models.random_tiny import build_random_tiny
-
-    pair = build_random_tiny(seed=4, dtype="float64", num_layers=4)
-    head = Eagle3Head(pair.target.config, pair.target, draft_vocab_size=200, aux_layers=[0, 1, 3])
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 / max(1, p.shape[-1]) ** 0.5)
-        head.d2t.zero_()
-    pair.draft = head.to(torch.float64)
+    pair = random_eagle3_pair()
     common = ["model=random_tiny", "model.num_layers=4", *BASE, "draft.topk=2", "draft.num_steps=3"]
     want, _ = outputs(monkeypatch, compose(*common, "draft=none"), pair)
     eager, m_eager = outputs(monkeypatch, compose(*common), pair)

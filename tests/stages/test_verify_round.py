@@ -2,7 +2,7 @@
 one call, with the separate calls' tokens; runs that cannot use it say so and verify as before."""
 import pytest
 
-from helpers import compose
+from helpers import compose, random_eagle3_pair
 from pipeline_spy import run_watched
 
 AOT = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
@@ -80,20 +80,7 @@ def test_draft_none_has_no_round_to_verify(capsys):
 def test_an_eagle3_head_extends_inside_the_verify_call(monkeypatch):
     """EAGLE-3 drafts from chosen target layers: the extend inside verify.round must read those features, as the
     separate after_verify does (the acceptance would drop otherwise)."""
-    import torch
-
-    from specpipe.models.eagle3 import Eagle3Head
-    from specpipe.models.random_tiny import build_random_tiny
-
-    pair = build_random_tiny(seed=4, dtype="float64", num_layers=4)
-    head = Eagle3Head(pair.target.config, pair.target, draft_vocab_size=200, aux_layers=[0, 1, 3])
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 / max(1, p.shape[-1]) ** 0.5)
-        head.d2t.zero_()
-    pair.draft = head.to(torch.float64)
+    pair = random_eagle3_pair()
     common = ["model=random_tiny", "model.num_layers=4", *BASE, "draft.topk=2", "draft.num_steps=3"]
     eager = run_watched(monkeypatch, compose(*common), pair=pair)
     fused = run_watched(monkeypatch, compose(*common, f"compile.verify.round={AOT}"), pair=pair)
