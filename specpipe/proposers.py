@@ -23,7 +23,7 @@ from specpipe.pipeline import OutOfKVMemory, bucket, finite_rows
 from specpipe.stages.build_tree import BuildTree, Tree
 from specpipe.stages.draft_forward import advance_visibility, DraftForward
 from specpipe.stages.draft_loop import DraftLoop
-from specpipe.stages.draft_scratch import draft_columns
+from specpipe.stages.draft_scratch import BranchRegions, FlatScratch, draft_columns
 from specpipe.stages.draft_topk import DraftTopK
 
 
@@ -94,11 +94,13 @@ class EagleProposer:
 
     def plan_rounds(self, prep) -> str:
         """Whether the rounds' steps run as one `draft_loop.steps` call: when its policy wrapped it and the
-        allocator drafts into the flat scratch with undecorated batches. Returns why not when the policy asked
-        for it and the allocator cannot ('' otherwise)."""
+        allocator's attention batches need no host-side views (either scratch layout runs inside it). Returns why
+        not when the policy asked for it and the allocator cannot ('' otherwise)."""
         asked = "steps" in getattr(self.loop, "wrapped", ())
-        why = prep.flat_draft_problem()
+        why = prep.batch_view_problem()
         self.one_call = asked and not why
+        loop = self.loop
+        loop.layout, loop.prep, loop.kv = (FlatScratch if prep.ps == 1 else BranchRegions), prep, self.head.kv
         return why if asked else ""
 
     def propose(self, pipe, rows_t, L, L_t):
@@ -106,10 +108,10 @@ class EagleProposer:
         sc = prep.draft_scratch(pipe.rows, rows_t, L, L_t, self.K, self.S - 1)
         if sc is None:
             raise OutOfKVMemory("KV pool exhausted while drafting")
-        if self.one_call:  # flat scratch: begin/follow copy nothing and batches need no decoration
-            # cols is a view into the allocator's free list: its storage offset, guarded as 0, 1 or >= 2, recompiled
-            tree, self.bad = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, sc.prefix_slots,
-                                             sc.prefix_valid, sc.cols.clone(), sc.seq_lens, pipe.last_token)
+        if self.one_call:  # batches need no host-side decoration: the round's steps are one tensor function
+            sc.begin(prep, kv)  # (page-aligned regions: the mirror of the prefix's partial page, sized on the host)
+            tree, self.bad = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, pipe.last_token, L_t,
+                                             *sc.tensors())
             prep.end_scratch(sc.state)
             return Tree(*tree), None
         blocks = self.step_by_step(prep, kv, sc, B)

@@ -197,7 +197,7 @@ class PrefillPolicy:
 @dataclass
 class DraftLoopPolicy:
     # EAGLE: a round's tree steps (draft forwards and top-k) as one function; eager runs them one call each, under
-    # draft_forward.decode and draft_topk.*. Page size 1 without SWA or hisparse (else step by step, with a note)
+    # draft_forward.decode and draft_topk.*. Any page size, without SWA or hisparse (else step by step, with a note)
     steps: str = "eager"
 
 

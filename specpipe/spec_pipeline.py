@@ -26,6 +26,8 @@ class SpecPipeline(Pipeline):
         self.growth = num_draft_tokens
         self.proposer = proposer
         self.fused_verify = False  # rounds verify through one `verify.round` call (app.build_pipeline decides)
+        # the draft flags verify.round reads for drafters that raise none (n-gram, suffix): sliced, never allocated per round
+        self.no_draft_flags = torch.zeros(max_requests, dtype=torch.bool, device=self.dev)
         self.feature_layers = getattr(proposer, "feature_layers", None)
         self.verify = Verify(target, num_steps, self.feature_layers)
         self.verify_sampling = VerifySampling(num_steps)
@@ -104,8 +106,7 @@ class SpecPipeline(Pipeline):
             vslots, kv_slots = self.tree_slots(rows_t, L, L_t)
         with m.stage("verify"):
             if fused:
-                bad = self.proposer.bad if self.proposer.bad is not None else torch.zeros(B, dtype=torch.bool,
-                                                                                          device=self.dev)
+                bad = self.proposer.bad if self.proposer.bad is not None else self.no_draft_flags[:B]
                 vhidden, accept_index, count, commit, src, tgt, ints, *next_start = self.verify.round(
                     tree.tokens, tree.positions, tree.mask, tree.parent, tree.depth, vslots, kv_slots, L_t, bad,
                     self.prep.table[rows_t] if self.verify.draft is not None else vslots)

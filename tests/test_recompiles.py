@@ -33,8 +33,10 @@ AOT_FULL = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
     ["draft=none", f"compile.verify.target_forward={AOT_FULL}"],  # the plain baseline's one forward per step
     [f"compile.draft_loop.steps={AOT_FULL}", f"compile.draft_forward.extend={AOT_FULL}",
      f"compile.verify.round={AOT_FULL}"],  # an EAGLE round's draft steps and its verify, one graph each
+    [f"compile.draft_loop.steps={AOT_FULL}", "allocator=paged", "allocator.page_size=4", "draft.topk=2",
+     "draft.num_steps=3", "draft.num_draft_tokens=6"],  # ... in page-aligned regions (whose size varies per round)
 ], ids=["split", "whole-aot_eager", "split-topk1-aot_eager", "model-forwards-aot_eager", "standalone-aot_eager",
-        "plain-aot_eager", "draft-loop-aot_eager"])
+        "plain-aot_eager", "draft-loop-aot_eager", "draft-loop-paged-aot_eager"])
 def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, monkeypatch):
     rng = random.Random(0)
     path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])

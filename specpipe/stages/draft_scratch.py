@@ -61,6 +61,15 @@ class FlatScratch:
     def root_slots(self) -> Tensor:
         return self.cols[:, 0, 0]
 
+    def tensors(self) -> tuple:
+        """What a compiled draft round takes in (`from_tensors` rebuilds the scratch inside it). cols is a view
+        into the allocator's free list: its storage offset, guarded as 0, 1 or >= 2, would recompile, so a copy."""
+        return self.cols.clone(), self.prefix_slots, self.prefix_valid, self.seq_lens
+
+    @classmethod
+    def from_tensors(cls, first: int, cols, prefix_slots, prefix_valid, seq_lens) -> "FlatScratch":
+        return cls(cols, prefix_slots, prefix_valid, seq_lens, first, None)
+
     def begin(self, prep, kv) -> None:
         """Nothing to mirror: every branch reads the prefix through the shared table."""
 
@@ -92,6 +101,15 @@ class BranchRegions:
 
     def root_slots(self) -> Tensor:
         return self._column(self.last)[:, 0]
+
+    def tensors(self) -> tuple:
+        """What a compiled draft round takes in: `from_tensors` rebuilds the regions inside it, where `follow`'s
+        copies and `step_batch` are tensor code (`begin`'s host-side mirror runs before the call)."""
+        return self.region, self.last, self.base, self.prefix_slots
+
+    @classmethod
+    def from_tensors(cls, first: int, region, last, base, prefix_slots) -> "BranchRegions":
+        return cls(region, last, base, prefix_slots, first, None, None)
 
     def begin(self, prep, kv) -> None:
         """Mirror the prefix's partial last page (and the root) from branch 0 into every branch.

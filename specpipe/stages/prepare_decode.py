@@ -214,16 +214,6 @@ class PrepareDecode(Stage):
             return "hisparse's hot buffers observe every batch"
         return ""
 
-    def flat_draft_problem(self) -> str:
-        """Why a draft round's steps cannot run as one pure tensor function here ('' when they can): page-aligned
-        branch regions copy parents' columns between steps; see also `batch_view_problem`."""
-        if self.batch_view_problem():
-            return self.batch_view_problem()
-        if self.ps > 1:
-            return (f"page_size {self.ps} drafts into page-aligned branch regions, copied between steps (the flat "
-                    "scratch needs page_size 1)")
-        return ""
-
     def end_scratch(self, state) -> None:
         self.alloc.restore_state(state)
 
