@@ -20,14 +20,29 @@ def shipped():
 
 
 def counted_run(pair, monkeypatch, path, *overrides):
-    """Outputs, metrics and the number of KVPool.move calls of one run of the shipped pair."""
+    """Outputs, metrics and the number of KVPool.move calls of one run of the shipped pair; `counted_run.off` is the
+    number of rounds in which some request accepted a node away from its committed position (node d of the path
+    not being tree node d), read from the accept indices themselves."""
+    from specpipe import spec_pipeline
+
     calls = []
     move = KVPool.move
     monkeypatch.setattr(KVPool, "move", lambda self, *a, **k: (calls.append(1), move(self, *a, **k))[1])
+    moves, off = spec_pipeline.commit_moves, []
+
+    def watched(vslots, accept_index, count):
+        d = torch.arange(accept_index.shape[1])
+        on_path = d[None, :] <= count[:, None]  # path nodes 0..count (bonus included)
+        off.append(bool(((accept_index != d[None, :]) & on_path).any()))
+        return moves(vslots, accept_index, count)
+
+    monkeypatch.setattr(spec_pipeline, "commit_moves", watched)
     common = ["model=tiny", "device.dtype=float64", f"workload.prompts_file={path}", "workload.max_new_tokens=32",
               "workload.batch_size=2"]
     out = run(compose(*common, *overrides), quiet=True, pair=pair)
     monkeypatch.setattr(KVPool, "move", move)
+    monkeypatch.setattr(spec_pipeline, "commit_moves", moves)
+    counted_run.off = sum(off)
     return [r.output_ids for r in out["requests"]], out["metrics"], len(calls)
 
 
@@ -40,11 +55,12 @@ def test_kv_moves_only_when_an_accepted_node_is_off_its_position(shipped, monkey
         got, m, moves = counted_run(shipped, monkeypatch, path, *chain)
         assert got == want, chain
         assert m["accept_length_mean"] > 1.5 and moves == 0, (chain, moves)
-    # a tree accepts a later sibling's branch in some rounds only: those rounds move, the others do not
+    # a tree accepts a later sibling's branch in some rounds only: exactly those rounds move (one request per round,
+    # so that rounds with every accepted node in place occur)
     got, m, moves = counted_run(shipped, monkeypatch, path, "draft.topk=4", "draft.num_steps=4",
-                                "draft.num_draft_tokens=10")
+                                "draft.num_draft_tokens=10", "workload.batch_size=1")
     assert got == want
-    assert 0 < moves < m["num_verify_steps"], (moves, m["num_verify_steps"])
+    assert 0 < moves == counted_run.off < m["num_verify_steps"], (moves, counted_run.off, m["num_verify_steps"])
     assert m["kv_leaked_slots"] == 0
 
 
