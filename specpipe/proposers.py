@@ -23,7 +23,7 @@ from specpipe.pipeline import OutOfKVMemory, bucket, finite_rows
 from specpipe.stages.build_tree import BuildTree, Tree
 from specpipe.stages.draft_forward import advance_visibility, DraftForward
 from specpipe.stages.draft_loop import DraftLoop
-from specpipe.stages.draft_scratch import BranchRegions, FlatScratch, draft_columns
+from specpipe.stages.draft_scratch import draft_columns
 from specpipe.stages.draft_topk import DraftTopK
 
 
@@ -99,8 +99,7 @@ class EagleProposer:
         asked = "steps" in getattr(self.loop, "wrapped", ())
         why = prep.batch_view_problem()
         self.one_call = asked and not why
-        loop = self.loop
-        loop.layout, loop.prep, loop.kv = (FlatScratch if prep.ps == 1 else BranchRegions), prep, self.head.kv
+        self.loop.prep, self.loop.kv = prep, self.head.kv
         return why if asked else ""
 
     def propose(self, pipe, rows_t, L, L_t):
@@ -110,6 +109,7 @@ class EagleProposer:
             raise OutOfKVMemory("KV pool exhausted while drafting")
         if self.one_call:  # batches need no host-side decoration: the round's steps are one tensor function
             sc.begin(prep, kv)  # (page-aligned regions: the mirror of the prefix's partial page, sized on the host)
+            self.loop.layout, self.loop.first = type(sc), sc.first  # the layout draft_scratch chose (not re-derived)
             tree, self.bad = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, pipe.last_token, L_t,
                                              *sc.tensors())
             prep.end_scratch(sc.state)

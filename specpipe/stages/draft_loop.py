@@ -34,8 +34,8 @@ class DraftLoop(Stage):
     def __init__(self, draft_fwd: DraftForward, topk_stage: DraftTopK, tree_stage: BuildTree, num_steps: int):
         self.draft_fwd, self.topk_stage, self.tree_stage = draft_fwd, topk_stage, tree_stage
         self.K, self.S = topk_stage.topk, num_steps
-        # the run's scratch layout (FlatScratch or BranchRegions), and where BranchRegions.follow copies: set by
-        # EagleProposer.plan_rounds before the first round
+        # the round's scratch layout (FlatScratch or BranchRegions, as draft_scratch chose it) and its first tree
+        # column, set by EagleProposer.propose; where BranchRegions.follow copies, set by EagleProposer.plan_rounds
         self.layout, self.first, self.prep, self.kv = None, 0, None, None
         self.steps = per_shape(self.steps, (self.K, self.S, tree_stage.num_draft_tokens))  # unrolls S steps
 
