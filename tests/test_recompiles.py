@@ -231,3 +231,33 @@ def test_a_compiled_target_forward_serves_sliding_window_layers(prompts_file, al
     out = run(compose(*base, "compile.verify.target_forward=compile"), quiet=True)
     assert [r.output_ids for r in out["requests"]] == [r.output_ids for r in eager]
     assert out["metrics"]["recompiles"] >= 1 and out["metrics"]["num_errors"] == 0
+
+
+@pytest.mark.parametrize("overrides", [
+    ["draft=none", f"compile.verify.target_forward={AOT_FULL}", f"compile.prefill.target_forward={AOT_FULL}"],
+    ["draft=eagle", "draft.topk=1", "draft.num_steps=3", f"compile.draft_loop.steps={AOT_FULL}",
+     f"compile.verify.round={AOT_FULL}", f"compile.prefill.target_forward={AOT_FULL}"],
+], ids=["plain", "eagle-round"])
+def test_a_compiled_model_forward_takes_the_models_floats_as_constants(overrides, prompts_file, monkeypatch):
+    """RMSNorm eps and the RoPE scale are fixed per model. Left unspecialized, Dynamo passed each float as a fresh
+    0-d tensor on every call and re-checked some in Python guards: ~110 µs per call of the shipped 10-layer target
+    (scripts/bench_guard_cost.py). As constants they are checked by value in Dynamo's C++ guards."""
+    import torch
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from specpipe.devices.base import BatchGeneric
+
+    torch._dynamo.reset()
+    path = prompts_file(["tell me a story about x = (1, 2)"])  # one prompt: a packed prefill of several runs eager
+    cfg = compose("model=random_tiny", f"workload.prompts_file={path}", "workload.max_new_tokens=12", *overrides)
+    seen = run_watched(monkeypatch, cfg)
+    assert all(len(r.output_ids) == 12 for r in seen["requests"])
+    branches = [(f"{st.name}.{b}", getattr(st, b)) for st in seen["pipe"].stages for b in st.branch_names()]
+    branches = [(name, getattr(fn, "__wrapped__", fn)) for name, fn in branches]  # under the metrics' timer
+    compiled = [(name, fn.fn) for name, fn in branches if isinstance(fn, BatchGeneric)]
+    entries = {name: _debug_get_cache_entry_list(fn.__func__.__code__) for name, fn in compiled}
+    assert sum(map(bool, entries.values())) >= 2, f"compiled branches that ran: {entries}"
+    parts = [p for es in entries.values() for e in es for p in e.guard_manager.code_parts]
+    floats = [p for p in parts if "type=<class 'float'>" in p]  # checked for its type only: a graph input
+    assert floats == [], f"{len(floats)} float(s) left unspecialized, e.g. {floats[0]}"
+    assert any(".eps == " in p for p in parts), "RMSNorm eps is a constant of the graph, checked by value"

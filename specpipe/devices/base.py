@@ -113,6 +113,8 @@ class BatchGeneric:
         return self.compiled(*args, **kwargs)
 
 
+SPECIALIZE_FLOATS = True  # compile_fn: a model's floats as graph constants (False: Dynamo's default, for benchmarks)
+
 _THREADS_BEFORE: list[int] = []  # [torch's thread count before specpipe first changed it, the count it set last]
 
 
@@ -222,6 +224,10 @@ class Device:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
+        # floats read in a forward (RMSNorm eps, RoPE scale) as constants: left unspecialized, Dynamo passed each
+        # as a fresh 0-d tensor and re-checked it with a Python guard on every call, ~110 µs per call of a
+        # 10-layer target (scripts/bench_guard_cost.py); the floats a branch reads are fixed per model and config
+        torch._dynamo.config.specialize_float = SPECIALIZE_FLOATS
         compiled = torch.compile(fn, **kwargs)
         return compiled if kwargs.get("mode") == "reduce-overhead" else BatchGeneric(fn, compiled)
 
