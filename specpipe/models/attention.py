@@ -10,13 +10,13 @@ Optional top-k sparse attention (``sparse_top_k``, target models only): see :fun
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpipe.models.attention_batch import AttentionBatch, sdpa_mask
+from specpipe.models.attention_batch import AttentionBatch, pack_group_mask, sdpa_mask
 from specpipe.models.norm import RMSNorm
 
 
@@ -146,14 +146,18 @@ def sparse_select(q: Tensor, keys: Tensor, mask: Tensor, positions: Tensor, kv_p
 PACK_MIN_KV = 1 << 19
 
 
-def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, packed_mask: Optional[Callable] = None) -> Tensor:
     """SDPA of q [B, H, Q, D] over k, v [B, Hkv, L, D] (H a multiple of Hkv, query head h reading KV head
     h // (H / Hkv)) under a mask shared by the heads ([B, 1, Q, L]) -> [B, H, Q, D].
 
     The G = H / Hkv query heads of a KV group go in as G*Q queries of one head: every K/V block is then read
     once per group, not once per query head as with enable_gqa, which is what few-query attention over a long
     context (decode, verify trees, draft steps) pays for: 1.2-3.3x per call from 2^19 K/V elements on
-    (`scripts/bench_gqa_attention.py`). Each query row gets the same dot products and softmax as before."""
+    (`scripts/bench_gqa_attention.py`). Each query row gets the same dot products and softmax as before.
+
+    `packed_mask(G, dtype)`, when given, returns the mask packed that way ([B, 1, G*Q, L], additive, of q's dtype),
+    built once per forward by the caller (AttentionBatch.packed_dense_mask): packed and converted here, per layer,
+    a compiled forward recomputed the whole mask (its gathers included) in every layer's kernel."""
     B, H, Q, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -163,7 +167,7 @@ def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     if not torch.compiler.is_compiling() and B * L * Hkv * D < PACK_MIN_KV:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     qg = q.reshape(B, Hkv, G * Q, D)  # head g*G + r, query i -> group g, row r*Q + i
-    mg = mask[:, :, None].expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L)
+    mg = packed_mask(G, q.dtype) if packed_mask is not None else pack_group_mask(mask, G)
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=mg).view(B, H, Q, D)
 
 
@@ -284,7 +288,8 @@ class Attention(nn.Module):
         sparse = self.top_k is not None and batch.kv_positions is not None
         if windowed or sparse:
             return self._masked_pool_attention(q, keys, vals, batch, kv, windowed, sparse)
-        return grouped_sdpa(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), batch.dense_mask())
+        return grouped_sdpa(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), batch.dense_mask(),
+                            batch.packed_dense_mask)
 
     def _masked_pool_attention(self, q: Tensor, keys: Tensor, vals: Tensor, batch: AttentionBatch, kv: KVPool,
                                windowed: bool, sparse: bool) -> Tensor:

@@ -7,6 +7,7 @@ model has one attention path and the stages build masks with pure tensor code.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -40,6 +41,7 @@ class AttentionBatch:
     _read_slots: Optional[tuple] = None  # memo of read_slots()
     _window_views: Optional[dict] = None  # memo of window_view(), by window
     _dense_mask: Optional[Tensor] = None  # memo of dense_mask()
+    _packed_masks: Optional[dict] = None  # memo of packed_dense_mask(), by (group size, dtype)
 
     def read_slots(self) -> tuple[Tensor, Optional[Tensor]]:
         """kv_slots (and swa_kv_slots) with every column no query may see re-pointed at slot 0.
@@ -109,6 +111,20 @@ class AttentionBatch:
             self._dense_mask = sdpa_mask(self.attend_mask())
         return self._dense_mask
 
+    def packed_dense_mask(self, groups: int, dtype: torch.dtype) -> Tensor:
+        """dense_mask() with each query row repeated for the `groups` query heads of a KV group ([B, 1, G*Q, Lkv],
+        `pack_group_mask`), as SDPA's additive mask of `dtype` (0 seen, -inf not: what SDPA turns a boolean mask
+        into on every call). Built once per forward: in a compiled forward, every layer's conversion of the boolean
+        mask recomputed the mask itself, its gathers included, inside that layer's kernel."""
+        if self._packed_masks is None:
+            self._packed_masks = {}
+        key = (groups, dtype)
+        if key not in self._packed_masks:
+            seen = pack_group_mask(self.dense_mask(), groups)
+            self._packed_masks[key] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(
+                ~seen, -math.inf)
+        return self._packed_masks[key]
+
     @property
     def batch_size(self) -> int:
         return self.positions.shape[0]
@@ -119,6 +135,13 @@ def sdpa_mask(mask: Tensor) -> Tensor:
     since softmax over no keys is NaN."""
     col0 = torch.arange(mask.shape[-1], device=mask.device) == 0
     return (mask | (~mask.any(-1, keepdim=True) & col0))[:, None]
+
+
+def pack_group_mask(mask: Tensor, groups: int) -> Tensor:
+    """A [B, 1, Q, L] mask shared by the heads -> [B, 1, G*Q, L] for the G query heads of a KV group packed as
+    one head's rows (`grouped_sdpa`): row r*Q + i is query i of the group's head r."""
+    B, _, Q, L = mask.shape
+    return mask[:, :, None].expand(B, 1, groups, Q, L).reshape(B, 1, groups * Q, L)
 
 
 def extend_batch(

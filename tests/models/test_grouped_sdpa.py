@@ -64,3 +64,40 @@ def test_the_pool_path_of_a_gqa_layer_packs_its_heads(monkeypatch, packed):
     D = pair.target.config.head_dim
     want = ((1, 2, 6, D), (1, 2, 12, D), False) if packed else ((1, 4, 3, D), (1, 2, 12, D), True)
     assert calls and all(c == want for c in calls)
+
+
+def test_a_forward_packs_and_converts_its_mask_once_for_every_layer(monkeypatch):
+    """The packed, additive mask is built once per forward and read by every layer: built per layer, a compiled
+    forward recomputed the whole mask, its gathers included, inside each layer's kernel. The output is the
+    unpacked path's (per-head attention under the boolean mask)."""
+    from specpipe.models.attention_batch import extend_batch
+    from specpipe.models.random_tiny import build_random_tiny
+
+    pair = build_random_tiny(seed=2, dtype="float64", num_heads=4, num_kv_heads=2, num_layers=3)
+    target = pair.target
+    target.setup_kv(64)
+    table = torch.arange(1, 33).view(1, 32)
+    with torch.no_grad():
+        target(torch.randint(0, 250, (1, 9)), extend_batch(table, torch.arange(1), torch.tensor([0]),
+                                                           torch.tensor([9]), 9, 9))
+    masks = []
+    sdpa = attention_mod.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        masks.append(kw["attn_mask"])
+        return sdpa(q, k, v, **kw)
+
+    tokens = torch.randint(0, 250, (1, 4))
+
+    def forward():
+        with torch.no_grad():  # the same extend twice: its K/V write is idempotent
+            return target(tokens, extend_batch(table, torch.arange(1), torch.tensor([9]), torch.tensor([4]), 4, 13))
+
+    plain = forward()
+    monkeypatch.setattr(attention_mod.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention_mod, "PACK_MIN_KV", 0)
+    packed = forward()
+    assert len(masks) == 3 and all(m is masks[0] for m in masks), "one mask object for the forward's 3 layers"
+    assert masks[0].dtype == torch.float64 and masks[0].shape == (1, 1, 2 * 4, 13)
+    assert set(masks[0].unique().tolist()) == {0.0, float("-inf")}
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-12)
