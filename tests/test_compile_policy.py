@@ -25,6 +25,7 @@ PRESETS = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "conf
     ("compile(dynamic=none, backend=aot_eager)", "compile", {"dynamic": None, "backend": "aot_eager"}),
     ("compile(dynamic=null)", "compile", {"dynamic": None}),
     ("auto(dynamic=true)", "auto", {"dynamic": True}),
+    ("compile(cpp_wrapper=true, dynamic=true)", "compile", {"cpp_wrapper": True, "dynamic": True}),
 ])
 def test_valid_policies(text, mode, options):
     p = parse_policy(text)
@@ -65,6 +66,8 @@ def test_policy_str_is_canonical():
     ("compile(dynamic=12)", "12", ["'12' is not a valid value for dynamic"]),
     ("compile(backend=aot_eager, mode=max-autotune)", "mode", ["mode=max-autotune is an inductor setting, which "
                                                                "backend=aot_eager ignores"]),  # torch only warned
+    ("compile(backend=eager, cpp_wrapper=true)", "cpp_wrapper", ["cpp_wrapper=true is an inductor setting, which "
+                                                                 "backend=eager ignores", "drop cpp_wrapper"]),
 ])
 def test_parse_errors_point_at_the_bad_token(text, bad, words):
     with pytest.raises(PolicyError) as e:
@@ -214,3 +217,14 @@ def test_a_draft_path_the_drafter_does_not_read_is_named(draft, tmp_path, capsys
     assert f"draft.path={tmp_path} is not read: draft={draft} uses no draft model" in capsys.readouterr().err
     run(compose(*base), quiet=True)
     assert "is not read" not in capsys.readouterr().err
+
+
+def test_the_rounds_cpp_preset_is_rounds_with_the_cpp_wrapper():
+    rounds, cpp = compose("compile=rounds"), compose("compile=rounds_cpp")
+    assert cpp.compile.keys() == rounds.compile.keys()
+    for stage, branches in rounds.compile.items():
+        for b, v in branches.items():
+            want = "compile(cpp_wrapper=true)" if v == "compile" else v
+            assert cpp.compile[stage][b] == want, f"compile.{stage}.{b}"
+            if v == "compile":
+                assert parse_policy(cpp.compile[stage][b]).kwargs == {"cpp_wrapper": True}

@@ -212,6 +212,8 @@ class Device:
         Not with mode=reduce-overhead: its CUDA graphs are recorded per concrete size anyway.
         """
         kwargs = {k: v for k, v in options.items() if not (k == "mode" and v == "default")}
+        if "cpp_wrapper" in kwargs:  # an inductor config, passed per compiled function
+            kwargs["options"] = {"cpp_wrapper": kwargs.pop("cpp_wrapper")}
         if "dynamic" not in kwargs and getattr(fn, "__name__", "") in getattr(getattr(fn, "__self__", None),
                                                                             "model_branches", ()):
             # a model forward's other sizes (prompt length, mask width, the KV pool of each run) change from call
@@ -226,7 +228,7 @@ class Device:
         fx_config.use_duck_shape = False
         # floats read in a forward (RMSNorm eps, RoPE scale) as constants: left unspecialized, Dynamo passed each
         # as a fresh 0-d tensor and re-checked it with a Python guard on every call, ~110 µs per call of a
-        # 10-layer target (scripts/bench_guard_cost.py); the floats a branch reads are fixed per model and config
+        # 10-layer target (scripts/bench_compile_overhead.py); the floats a branch reads are fixed per model and config
         torch._dynamo.config.specialize_float = SPECIALIZE_FLOATS
         compiled = torch.compile(fn, **kwargs)
         return compiled if kwargs.get("mode") == "reduce-overhead" else BatchGeneric(fn, compiled)

@@ -100,6 +100,9 @@ class NpuDevice(Device):
         and its ACL graphs need concrete sizes)."""
         opts = dict(options)
         mode, backend = opts.pop("mode", None), opts.pop("backend", None)
+        if opts.pop("cpp_wrapper", None) is not None and backend is None:
+            self.notice("device=npu: compile(cpp_wrapper=...) is an inductor setting; torchair builds its own graph, "
+                        "so it is ignored")
         if backend is not None:  # aot_eager / eager: debugging backends, torch's own
             return torch.compile(fn, backend=backend, **opts)
         if self.torchair is None:

@@ -46,6 +46,29 @@ def test_cpu_translates_policies():
         d.graph_fn(double)  # the device-side error, even when the policy check is bypassed
 
 
+def test_cpp_wrapper_reaches_inductor_per_compiled_function(monkeypatch):
+    """compile(cpp_wrapper=true) is inductor's per-function option (the kernels' wrapper in C++), not a global
+    setting: a branch compiled without it keeps the Python wrapper. The compiled branch computes what eager does."""
+    import torch._inductor.config as inductor_config
+
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kwargs):
+        seen.append(kwargs)
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    d = CpuDevice()
+    f = d.compile(lambda x: (x * 2).sin() + 1, parse_policy("compile(cpp_wrapper=true)"))
+    g = d.compile(double, parse_policy("compile(dynamic=false)"))
+    assert seen == [{"options": {"cpp_wrapper": True}}, {"dynamic": False}]
+    assert inductor_config.cpp_wrapper is False
+    x = torch.randn(5)
+    torch.testing.assert_close(f(x), (x * 2).sin() + 1)
+    torch.testing.assert_close(g(x), x * 2)
+
+
 @pytest.mark.parametrize("text, words", [
     ("graph", ["cpu cannot run 'graph'", "no graph capture", "device=cuda"]),
     ("compile(mode=reduce-overhead)", ["reduce-overhead", "CUDA graphs"]),
@@ -205,6 +228,9 @@ def test_npu_compile_and_graph_use_torchair(stub_npu, monkeypatch):
     d = NpuDevice()
     d.compile(double, parse_policy("compile(dynamic=true)"))
     assert calls[-1] == {"backend": "torchair[max-autotune]", "dynamic": True}
+    d.compile(double, parse_policy("compile(cpp_wrapper=true)"))  # inductor's: dropped, with a notice
+    assert calls[-1] == {"backend": "torchair[max-autotune]"}
+    assert any("cpp_wrapper" in n for n in d.notices)
     d.compile(double, parse_policy("compile(mode=reduce-overhead, fullgraph=true)"))
     assert calls[-1] == {"backend": "torchair[reduce-overhead]", "fullgraph": True}
     d.compile(double, parse_policy("compile(backend=aot_eager)"))
