@@ -34,20 +34,28 @@ def test_grouped_sdpa_is_per_head_attention(H, Hkv, Q, packed, monkeypatch):
     torch.testing.assert_close(got, reference(q, k, v, mask), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_the_pool_path_of_a_gqa_layer_packs_its_heads(monkeypatch, packed):
-    """A GQA model's extend over a cached context reads K/V as [B, Hkv, L, D] with G*Q queries per head, once
-    the K/V is large enough for packing to pay (forced here); below that, SDPA's own enable_gqa."""
+def gqa_target_with_prompt(seed: int, **shape):
+    """A float64 random tiny target with 4 query heads over 2 KV heads, 9 prompt tokens already in its KV pool
+    (slots 1..9 of a 32-column table); returns (target, table)."""
     from specpipe.models.attention_batch import extend_batch
     from specpipe.models.random_tiny import build_random_tiny
 
-    pair = build_random_tiny(seed=1, dtype="float64", num_heads=4, num_kv_heads=2)
-    target = pair.target
+    target = build_random_tiny(seed=seed, dtype="float64", num_heads=4, num_kv_heads=2, **shape).target
     target.setup_kv(64)
     table = torch.arange(1, 33).view(1, 32)
     with torch.no_grad():
         target(torch.randint(0, 250, (1, 9)), extend_batch(table, torch.arange(1), torch.tensor([0]),
                                                            torch.tensor([9]), 9, 9))
+    return target, table
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_pool_path_of_a_gqa_layer_packs_its_heads(monkeypatch, packed):
+    """A GQA model's extend over a cached context reads K/V as [B, Hkv, L, D] with G*Q queries per head, once
+    the K/V is large enough for packing to pay (forced here); below that, SDPA's own enable_gqa."""
+    from specpipe.models.attention_batch import extend_batch
+
+    target, table = gqa_target_with_prompt(seed=1)
     calls = []
     sdpa = attention_mod.F.scaled_dot_product_attention
 
@@ -61,7 +69,7 @@ def test_the_pool_path_of_a_gqa_layer_packs_its_heads(monkeypatch, packed):
     with torch.no_grad():
         target(torch.randint(0, 250, (1, 3)), extend_batch(table, torch.arange(1), torch.tensor([9]),
                                                            torch.tensor([3]), 3, 12))
-    D = pair.target.config.head_dim
+    D = target.config.head_dim
     want = ((1, 2, 6, D), (1, 2, 12, D), False) if packed else ((1, 4, 3, D), (1, 2, 12, D), True)
     assert calls and all(c == want for c in calls)
 
@@ -71,15 +79,8 @@ def test_a_forward_packs_and_converts_its_mask_once_for_every_layer(monkeypatch)
     forward recomputed the whole mask, its gathers included, inside each layer's kernel. The output is the
     unpacked path's (per-head attention under the boolean mask)."""
     from specpipe.models.attention_batch import extend_batch
-    from specpipe.models.random_tiny import build_random_tiny
 
-    pair = build_random_tiny(seed=2, dtype="float64", num_heads=4, num_kv_heads=2, num_layers=3)
-    target = pair.target
-    target.setup_kv(64)
-    table = torch.arange(1, 33).view(1, 32)
-    with torch.no_grad():
-        target(torch.randint(0, 250, (1, 9)), extend_batch(table, torch.arange(1), torch.tensor([0]),
-                                                           torch.tensor([9]), 9, 9))
+    target, table = gqa_target_with_prompt(seed=2, num_layers=3)
     masks = []
     sdpa = attention_mod.F.scaled_dot_product_attention
 
