@@ -58,7 +58,7 @@ PAD, EOS = 256, 257  # the byte-level pair: ids 0..255 are UTF-8 bytes, 256 BOS 
 # the model forwards under torch.compile (inductor, dynamic shapes): compiled once per loaded model in the warm-up
 # round, reused by every later run on it; the rest of the pipeline as in the eager rows
 COMPILED = "compiled forwards"
-# inductor's C++ wrapper around each graph's kernels: the same kernels and outputs as the Python wrapper, ~8 % more
+# inductor's C++ wrapper around each graph's kernels: the same kernels and outputs as the Python wrapper, 1.07x the
 # tokens/s for a compiled EAGLE run on the shipped pair (scripts/bench_compile_overhead.py)
 POLICY = "'compile(cpp_wrapper=true)'"
 TARGET_COMPILED = [f"compile.verify.target_forward={POLICY}", f"compile.prefill.target_forward={POLICY}"]

@@ -31,7 +31,7 @@ COMPILE_OPTIONS = {
     "mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     "backend": ("inductor", "aot_eager", "eager"),
     # inductor's cpp_wrapper: the compiled graph's wrapper (buffer views, size checks, kernel calls) in C++
-    # instead of Python; on the shipped pair's compiled EAGLE rounds on CPU, ~7 % less time per round
+    # instead of Python; on the shipped pair's compiled EAGLE rounds on CPU, 9 % less time per round
     # (scripts/bench_compile_overhead.py), for a longer first compile
     "cpp_wrapper": (True, False),
 }

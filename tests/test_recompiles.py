@@ -240,7 +240,7 @@ def test_a_compiled_target_forward_serves_sliding_window_layers(prompts_file, al
 ], ids=["plain", "eagle-round"])
 def test_a_compiled_model_forward_takes_the_models_floats_as_constants(overrides, prompts_file, monkeypatch):
     """RMSNorm eps and the RoPE scale are fixed per model. Left unspecialized, Dynamo passed each float as a fresh
-    0-d tensor on every call and re-checked some in Python guards: ~110 µs per call of the shipped 10-layer target
+    0-d tensor on every call and re-checked some in Python guards: ~65 µs per call of the shipped 10-layer target
     (scripts/bench_compile_overhead.py). As constants they are checked by value in Dynamo's C++ guards."""
     import torch
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
