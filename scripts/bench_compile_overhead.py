@@ -38,9 +38,9 @@ def child(specialize: bool, cpp_wrapper: bool, steps: int, prompts: int, max_new
     from torch.profiler import profile
 
     import specpipe.devices.base as device_base
-    from specpipe.app import run
-    from specpipe.cli_errors import compose_config
-    from specpipe.models.hf import load_hf
+    from specpipe.run import run
+    from specpipe.config.compose import compose_config
+    from specpipe.models.hf.load import load_hf
 
     torch.set_num_threads(threads)
     device_base.SPECIALIZE_FLOATS = specialize
@@ -91,12 +91,13 @@ def main() -> None:
     results: dict = {name: [] for name in SETTINGS}
     for r in range(args.repeats):
         for name, (spec, cpp) in SETTINGS.items():
-            cmd = [sys.executable, __file__, "--child", f"{int(spec)}{int(cpp)}", "--steps", str(args.steps), "--prompts",
-                   str(args.prompts), "--max-new", str(args.max_new), "--threads", str(args.threads)]
+            cmd = [sys.executable, __file__, "--child", f"{int(spec)}{int(cpp)}", "--steps", str(args.steps),
+                   "--prompts", str(args.prompts), "--max-new", str(args.max_new), "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             res = json.loads(out)
             results[name].append(res)
-            print(f"  round {r + 1}: {name:<38} {res['tok_s']:7.1f} tok/s, {res['round_ms']:.2f} ms/round, cache lookup {res['lookup_us']:6.1f} "
+            print(f"  round {r + 1}: {name:<38} {res['tok_s']:7.1f} tok/s, {res['round_ms']:.2f} ms/round, "
+                  f"cache lookup {res['lookup_us']:6.1f} "
                   f"µs/call, pre-graph bytecode {res['pregraph_us']:6.1f} µs/call", flush=True)
     base_name = next(iter(SETTINGS))
     base = max(r["tok_s"] for r in results[base_name])

@@ -30,8 +30,8 @@ from scripts.bench_fused_projections import make_batch as strided_batch  # noqa:
 def make_batch(B: int, Q: int, L: int):
     """`bench_fused_projections.make_batch` with every tensor contiguous, as the pipeline's batches are."""
     b = strided_batch(B, Q, L)
-    return dataclasses.replace(b, **{f: getattr(b, f).clone(memory_format=torch.contiguous_format) for f in ("positions", "out_slots", "kv_slots",
-                                                                       "mask", "kv_positions")})
+    return dataclasses.replace(b, **{f: getattr(b, f).clone(memory_format=torch.contiguous_format)
+                                     for f in ("positions", "out_slots", "kv_slots", "mask", "kv_positions")})
 
 
 def stacked_views(pool) -> None:
@@ -64,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specpipe.models.hf import load_tiny
+    from specpipe.models.hf.load import load_tiny
     from specpipe.models.llama import fuse_projections
 
     cases = [(1, 12), (4, 12), (8, 12)]  # (batch, query tokens): a 12-node verify tree per request
@@ -78,7 +78,7 @@ def main() -> None:
             stacked_views(m.kv)
         models[name] = m
 
-    from specpipe.compile_policy import parse_policy
+    from specpipe.config.compile_policy import parse_policy
     from specpipe.devices.cpu import CpuDevice
     from specpipe.stages.verify import Verify
 

@@ -26,11 +26,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specpipe.autotune import collect_decisions  # noqa: E402
-from specpipe.cli_errors import compose_config  # noqa: E402
-from specpipe.compile_policy import parse_policy  # noqa: E402
+from specpipe.devices.autotune import collect_decisions  # noqa: E402
+from specpipe.config.compose import compose_config  # noqa: E402
+from specpipe.config.compile_policy import parse_policy  # noqa: E402
 from specpipe.devices.cpu import CpuDevice  # noqa: E402
-from specpipe.metrics import recompile_count  # noqa: E402
+from specpipe.decode.metrics import recompile_count  # noqa: E402
 from specpipe.stages.draft_topk import DraftTopK  # noqa: E402
 
 PRESETS = ("eager", "whole", "split", "auto")

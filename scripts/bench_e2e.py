@@ -6,7 +6,8 @@ the verify forward of the target, and everything else (host work: tree building,
 
     python scripts/bench_e2e.py                       # model=tiny, batch 1 and 8
     python scripts/bench_e2e.py --model random_tiny --batch 1 --max-new 64
-    python scripts/bench_e2e.py --configs "draft.topk=1 draft.num_steps=5" "draft.topk=4 draft.num_steps=5 draft.num_draft_tokens=16"
+    python scripts/bench_e2e.py --configs "draft.topk=1 draft.num_steps=5" \\
+        "draft.topk=4 draft.num_steps=5 draft.num_draft_tokens=16"
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ DEFAULT_CONFIGS = [
 
 
 def measure(overrides: list[str], pair, repeats: int) -> dict:
-    from specpipe.app import run
-    from specpipe.cli_errors import compose_config
+    from specpipe.run import run
+    from specpipe.config.compose import compose_config
 
     best = None
     for _ in range(repeats):
@@ -63,8 +64,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from specpipe.app import load_pair
-    from specpipe.cli_errors import compose_config
+    from specpipe.models.cache import load_pair
+    from specpipe.config.compose import compose_config
     from specpipe.devices.cpu import CpuDevice
 
     base = [f"model={args.model}", *args.model_args, f"workload.max_new_tokens={args.max_new}",

@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=12)
     opt = ap.parse_args()
     torch.set_num_threads(opt.threads)
-    from specpipe.pipeline import finite_rows
+    from specpipe.stages.finite import finite_rows
 
     print(f"{torch.get_num_threads()} thread(s), {opt.nodes} tree nodes per request, float32 logits")
     print(f"{'batch':>5} | {'vocab':>6} | {'isfinite.all us':>15} | {'finite_rows us':>14} | ratio")

@@ -40,7 +40,7 @@ def main() -> None:
                     help="device.weight_layout for both copies (auto: timed per shape at the rows of each case)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from specpipe.models.hf import load_target
+    from specpipe.models.hf.load import load_target
     from specpipe.models.llama import fuse_projections
 
     path = ROOT / "specpipe" / "assets" / "tiny" / "target"

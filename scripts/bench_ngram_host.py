@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specpipe.drafters import ngram_host  # noqa: E402
-from specpipe.drafters.ngram import SEP, NgramDrafter  # noqa: E402
+from specpipe.drafters.ngram_trie import SEP, NgramDrafter  # noqa: E402
 
 
 def time_call(fn, repeats: int) -> float:

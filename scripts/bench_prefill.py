@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def time_ms(model, ids, lens, table, fresh: bool, iters: int) -> float:
     from specpipe.models.attention_batch import extend_batch
-    from specpipe.pipeline import bucket
+    from specpipe.stages.padding import bucket
 
     B, T = ids.shape
 
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     opt = ap.parse_args()
     torch.set_num_threads(opt.threads)
-    from specpipe.models.hf import load_target
+    from specpipe.models.hf.load import load_target
 
     model = load_target(Path(__file__).resolve().parents[1] / "specpipe/assets/tiny/target", "float32", "cpu")
     g = torch.Generator().manual_seed(0)

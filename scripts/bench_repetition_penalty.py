@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specpipe.sampling import SamplingState  # noqa: E402
+from specpipe.decode.sampling import SamplingState  # noqa: E402
 
 
 def mask_penalty(logits, seen, tokens, mask, penalty):

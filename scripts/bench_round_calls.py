@@ -34,9 +34,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specpipe import app
-    from specpipe.cli_errors import compose_config
-    from specpipe.models.hf import load_hf
+    from specpipe import run as app
+    from specpipe.config.compose import compose_config
+    from specpipe.models.hf.load import load_hf
 
     tiny = ROOT / "specpipe" / "assets" / "tiny"
     pair = load_hf(tiny / "target", tiny / "eagle", dtype="float32", name="bench")

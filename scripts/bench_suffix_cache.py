@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specpipe.drafters import NgramDrafter, pack_histories  # noqa: E402
-from specpipe.drafters.suffix import SuffixCache  # noqa: E402
+from specpipe.drafters.suffix_cache import SuffixCache  # noqa: E402
 
 
 def time_call(fn, repeats: int) -> float:
@@ -72,7 +72,7 @@ def main() -> None:
             print(f"| {b} | {len(cache)} | {ms:.3f} | {ms / base:.2f}x |", flush=True)
 
     # draft.running_tokens: the other running requests' histories join each request's corpus
-    from specpipe.proposers import NgramProposer
+    from specpipe.drafters.ngram import NgramProposer
 
     size = args.running_cache
     print(f"\nWith the running requests' histories (draft.running_tokens), a {size}-token cache:\n")

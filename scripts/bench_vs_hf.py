@@ -29,7 +29,7 @@ greedy batch 1; each mismatch is printed with the target's top-1/top-2 logit gap
 position (a gap near 0 is an fp32 argmax tie between two numerically different paths, not a bug).
 
     python scripts/bench_vs_hf.py                              # shipped pair, 1 thread (~8 min on 2 cores)
-    python scripts/bench_vs_hf.py --threads 2                  # the README numbers (docs/bench_vs_hf.md)
+    python scripts/bench_vs_hf.py --threads 2                  # as in docs/bench/ (the latest in docs/performance.md)
     python scripts/bench_vs_hf.py --random                     # a random model of the same shape
 
 On a shared machine, watch the "load" column of the round lines: with --threads 2, another busy process
@@ -72,7 +72,7 @@ DEFAULT_EAGLE = ["draft.topk=1 draft.num_steps=4", "draft.topk=4 draft.num_steps
 
 def save_random(folder: Path, layers: int) -> Path:
     """A random model with the shipped pair's shape (target + EAGLE head), for runs without trained weights."""
-    from specpipe.models.hf import save_eagle, save_target
+    from specpipe.models.hf.save import save_eagle, save_target
     from specpipe.models.random_tiny import build_random_tiny
 
     pair = build_random_tiny(hidden_size=256, num_layers=layers, num_heads=4, num_kv_heads=2, intermediate_size=704,
@@ -157,7 +157,7 @@ _COMPOSED: dict = {}
 
 
 def compose_once(overrides: list[str]):
-    from specpipe.cli_errors import compose_config
+    from specpipe.config.compose import compose_config
 
     key = tuple(overrides)
     if key not in _COMPOSED:
@@ -169,7 +169,7 @@ def sp_generate(pair, overrides: list[str]) -> tuple[list[list[int]], dict]:
     """One specpipe call on a config composed once per override list (Hydra's compose takes ~0.1-0.2 s: a
     SpecPipe(...) object pays it in its constructor, not in each generate()), so the clock sees what a
     generate() call runs."""
-    from specpipe.app import run
+    from specpipe.run import run
 
     res = run(compose_once(overrides), quiet=True, pair=pair)
     m = res["metrics"]
@@ -223,7 +223,8 @@ def main() -> None:
                     help="draft lengths for both specpipe draft=ngram (num_steps) and HF prompt_lookup_num_tokens")
     ap.add_argument("--standalone-steps", type=int, default=4, help="specpipe draft=standalone num_steps")
     ap.add_argument("--eager-only", action="store_true",
-                    help="leave out the rows with compiled model forwards (their warm-up compiles for a minute or more)")
+                    help="leave out the rows with compiled model forwards "
+                         "(their warm-up compiles for a minute or more)")
     ap.add_argument("--skip", nargs="*", default=[], help="method names containing any of these are skipped")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -233,8 +234,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
     transformers.logging.set_verbosity_error()
 
-    from specpipe.models.hf import load_hf
-    from specpipe.workload import load_prompts
+    from specpipe.models.hf.load import load_hf
+    from specpipe.workload.prompts import load_prompts
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_vs_hf_"))
     atexit.register(shutil.rmtree, tmp, True)  # the truncated draft (and --random model) folders
@@ -315,9 +316,10 @@ def main() -> None:
         methods += [Method(f"specpipe draft=ngram (chain, num_steps={k})", b,
                            sp_fn(b, ["draft=ngram", "draft.topk=1", f"draft.num_steps={k}"]), "sp", "hf_pld")
                     for k in pld_steps]
-        methods.append(Method("specpipe draft=ngram (default trie: topk=4 steps=8 ntok=12)", b, sp_fn(b, ["draft=ngram"]),
-                              "sp", "hf_pld"))
-        methods.append(Method("specpipe draft=suffix (own context + other running requests + cache of earlier outputs)", b,
+        methods.append(Method("specpipe draft=ngram (default trie: topk=4 steps=8 ntok=12)", b,
+                              sp_fn(b, ["draft=ngram"]), "sp", "hf_pld"))
+        methods.append(Method("specpipe draft=suffix (own context + other running requests "
+                              "+ cache of earlier outputs)", b,
                               sp_fn(b, ["draft=suffix"]), "sp", "hf_pld"))
         # the same modes with the model forwards under torch.compile (compiled in warm-up) after the eager ones
         for tag, compiled in [("", [])] + ([] if args.eager_only else [(f", {COMPILED}", TARGET_COMPILED)]):
@@ -418,8 +420,8 @@ def main() -> None:
     mism = {}
     for m, *_ in mismatches:
         mism[id(m)] = mism.get(id(m), 0) + 1
-    header = (f"| method | batch | tokens/s | vs HF greedy (same batch) | vs HF baseline | accept len | "
-              f"greedy mismatches | specpipe decode loop only, tokens/s |")
+    header = ("| method | batch | tokens/s | vs HF greedy (same batch) | vs HF baseline | accept len | "
+              "greedy mismatches | specpipe decode loop only, tokens/s |")
     lines = [header, "|---|---:|---:|---:|---|---:|---:|---:|"]
     for m in methods:
         if m.error or not m.best:
@@ -447,7 +449,8 @@ def main() -> None:
     print("\nWhere the time goes (best run of each). HF: wall / full target forwards (prefill, drafting and "
           "generate() overhead included). specpipe: per decode step = one target forward over the batch; draft = "
           "draft-model forwards (EAGLE head / standalone model), target = target forwards, host = the rest of the "
-          "staged step (proposer, tree building, bookkeeping); prefill and run() setup (validation, prompts, KV pool allocation, "
+          "staged step (proposer, tree building, bookkeeping); prefill and run() setup "
+          "(validation, prompts, KV pool allocation, "
           "summary) in seconds.")
     print("| method | batch | target forwards / steps | ms per forward / step | draft ms | target ms | host ms | "
           "prefill s | run() setup s |")

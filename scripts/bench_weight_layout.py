@@ -32,9 +32,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specpipe.app import run
-    from specpipe.cli_errors import compose_config
-    from specpipe.models.hf import load_hf
+    from specpipe.run import run
+    from specpipe.config.compose import compose_config
+    from specpipe.models.hf.load import load_hf
 
     d = Path(args.model_dir)
     pair = load_hf(d / "target", None, dtype="float32", name="bench")

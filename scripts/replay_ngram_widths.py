@@ -94,10 +94,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specpipe.app import run
-    from specpipe.cli_errors import compose_config
+    from specpipe.run import run
+    from specpipe.config.compose import compose_config
     from specpipe.drafters import NgramDrafter
-    from specpipe.models.hf import load_hf
+    from specpipe.models.hf.load import load_hf
 
     target_dir = ROOT / "specpipe" / "assets" / "tiny" / "target"
     pair = load_hf(target_dir, None, dtype="float32", name="replay")

@@ -381,7 +381,8 @@ def chain_acceptance(head: EagleHead, H: torch.Tensor, full: list[int], P: int, 
     n = P + 1  # committed tokens
     emitted = rounds = 0
     while n < N:
-        d = head(torch.tensor([full[cached + 1: n]]), H[cached: n - 1][None], slots.batch(cached, n - 1 - cached))[:, -1:]
+        d = head(torch.tensor([full[cached + 1: n]]), H[cached: n - 1][None],
+                 slots.batch(cached, n - 1 - cached))[:, -1:]
         cached = n - 1
         drafts, pos = [], n - 1
         for i in range(k):
@@ -509,7 +510,8 @@ def main(argv=None):
     report["acceptance_eval"] = eval_acceptance(
         head, target, heldout_docs(root, names["heldout"]), a.eval_prompts, 128, a.eval_gen, [3, 4, 5, 6],
         torch.Generator().manual_seed(a.seed + 2))
-    console.print(f"greedy chain acceptance length (k: accepted+1): {report['acceptance_eval']['chain_acceptance_length']}"
+    console.print("greedy chain acceptance length (k: accepted+1): "
+                  f"{report['acceptance_eval']['chain_acceptance_length']}"
                   f" ({time.time() - t_acc:.0f} s)")
 
     report["files_bytes"] = {str(p.relative_to(out)): p.stat().st_size

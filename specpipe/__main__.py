@@ -10,7 +10,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from specpipe.schema import register_schemas
+from specpipe.config.schema import register_schemas
+from specpipe.notes import logger
+
+log = logger("specpipe.__main__")  # run as a script its __name__ is "__main__", outside the specpipe logger
 
 
 RUNNING: dict = {}  # the in-process sweep's current job: num, dir, sweep_dir
@@ -31,7 +34,7 @@ def interrupted_sweep() -> str:
         where = f" in job {RUNNING['num']} ({RUNNING['dir']})"
         again = "resume=true " + shlex.quote(f"hydra.sweep.dir={RUNNING['sweep_dir']}")
     else:  # a launcher's worker processes run the jobs; the sweep's callback saw its folder here
-        from specpipe.sweep import STARTED_SWEEP
+        from specpipe.sweep.callback import STARTED_SWEEP
 
         folder = STARTED_SWEEP.get("dir")
         where = f" ({folder})" if folder else ""
@@ -42,12 +45,10 @@ def interrupted_sweep() -> str:
             f"interrupted job keeps the requests it had finished)")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def hydra_main(cfg: DictConfig) -> float:
-    from hydra.core.hydra_config import HydraConfig
-
+def import_run():
+    """specpipe.run.run, which imports torch: a broken device backend fails here, said in one paragraph."""
     try:
-        from specpipe.app import run  # imports torch: a broken device backend fails here
+        from specpipe.run import run
     except RuntimeError as e:
         from specpipe.devices import explain_backend_load_error
 
@@ -56,31 +57,62 @@ def hydra_main(cfg: DictConfig) -> float:
             raise
         print("specpipe: " + msg, file=sys.stderr)
         sys.exit(2)
+    return run
+
+
+def folder_taken(hc, out_dir: str) -> bool:
+    """Whether another job of this sweep already wrote `out_dir` (then this job is skipped, said on stderr and
+    in the sweep's notes). Also records which job a Ctrl-C stops (main() says so)."""
+    RUNNING.update(num=hc.job.num, dir=out_dir, sweep_dir=hc.sweep.dir)
+    earlier = WRITTEN.setdefault(out_dir, hc.job.num)
+    if earlier == hc.job.num:  # this process's jobs, then other processes' (a joblib worker's)
+        from specpipe.sweep.claims import claim_folder
+
+        earlier = claim_folder(out_dir, hc.sweep.dir, hc.job.num)
+    if earlier is None:
+        return False
+    # e.g. hydra.sweep.subdir=${draft.topk} while the allocator is swept too
+    from specpipe.sweep.claims import COLLIDED, note_collision
+
+    COLLIDED.append(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) would write into {out_dir}, which "
+                    f"job {earlier} of this sweep already wrote; it was skipped so that job's results stay. "
+                    f"Make hydra.sweep.subdir differ between jobs (its default is ${{hydra.job.num}})")
+    note_collision(hc.sweep.dir, COLLIDED[-1])
+    log.info(f"specpipe: {COLLIDED[-1]}")
+    return True
+
+
+def interrupted_run(out_dir: str) -> str:
+    """One paragraph for Ctrl-C during a single run: where the finished requests are, and how to go on."""
+    from specpipe.outputs.files import PartialCompletions
+
+    partial = Path(out_dir) / PartialCompletions.NAME
+    if partial.is_file():
+        return (f"specpipe: interrupted; the requests that had finished are in {partial} (in the order they "
+                f"finished; no metrics.json was written). To decode only the others, run the same command with "
+                f"resume=true {shlex.quote('hydra.run.dir=' + str(out_dir))}")
+    # stopped before decoding began (loading the model, reading the prompts)
+    return "specpipe: interrupted before decoding began; nothing was written"
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def hydra_main(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    run = import_run()
     from specpipe.errors import SpecpipeError
-    from specpipe.sweep import clear_error, clear_outputs, failed_objective, finished_metrics, job_score, write_error
+    from specpipe.outputs.run_files import clear_outputs
+    from specpipe.sweep.job_files import clear_error, finished_metrics, write_error
+    from specpipe.sweep.scoring import failed_objective, job_score
 
     hc = HydraConfig.get()
     multirun = hc.mode.name == "MULTIRUN"
     out_dir = hc.runtime.output_dir
-    if multirun:  # which job a Ctrl-C stops (main() says so)
-        RUNNING.update(num=hc.job.num, dir=out_dir, sweep_dir=hc.sweep.dir)
-        earlier = WRITTEN.setdefault(out_dir, hc.job.num)
-        if earlier == hc.job.num:  # this process's jobs, then other processes' (a joblib worker's)
-            from specpipe.sweep import claim_folder
-
-            earlier = claim_folder(out_dir, hc.sweep.dir, hc.job.num)
-        if earlier is not None:  # e.g. hydra.sweep.subdir=${draft.topk} while the allocator is swept too
-            from specpipe.sweep import COLLIDED, note_collision
-
-            COLLIDED.append(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) would write into {out_dir}, which "
-                            f"job {earlier} of this sweep already wrote; it was skipped so that job's results stay. "
-                            f"Make hydra.sweep.subdir differ between jobs (its default is ${{hydra.job.num}})")
-            note_collision(hc.sweep.dir, COLLIDED[-1])
-            print(f"specpipe: {COLLIDED[-1]}", file=sys.stderr)
-            return failed_objective(hc)
+    if multirun and folder_taken(hc, out_dir):
+        return failed_objective(hc)
     done = finished_metrics(cfg, out_dir) if cfg.resume else None
     if done is not None:  # resume=true: this job finished in an earlier run of the same sweep dir
-        print(f"resume: {out_dir} already has metrics.json for this config; skipped", file=sys.stderr)
+        log.info(f"resume: {out_dir} already has metrics.json for this config; skipped")
         return job_score(done, cfg.latency_limit_ms, hc)
     overrides = [str(o) for o in hc.overrides.task]  # the job's point, for error.json
     # a sweep's job writes here now: nothing an earlier sweep left in its folder may pass for this job's results if
@@ -94,15 +126,7 @@ def hydra_main(cfg: DictConfig) -> float:
         if multirun:  # Ctrl-C ends the whole sweep (finished jobs keep their files)
             raise
         let_a_second_ctrl_c_kill()
-        from specpipe.app import PartialCompletions
-
-        partial = Path(out_dir) / PartialCompletions.NAME
-        if partial.is_file():
-            print(f"specpipe: interrupted; the requests that had finished are in {partial} (in the order they "
-                  f"finished; no metrics.json was written). To decode only the others, run the same command with "
-                  f"resume=true {shlex.quote('hydra.run.dir=' + str(out_dir))}", file=sys.stderr)
-        else:  # stopped before decoding began (loading the model, reading the prompts)
-            print("specpipe: interrupted before decoding began; nothing was written", file=sys.stderr)
+        print(interrupted_run(out_dir), file=sys.stderr)
         sys.exit(130)
     except SpecpipeError as e:
         msg = str(e) if str(e).startswith("specpipe:") else f"specpipe: {e}"  # every user error reads the same
@@ -132,8 +156,10 @@ def hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     register_schemas()
-    from specpipe.cli_errors import (expand_globs, expand_home, flags_first, hide_schemas_from_completion, precheck,
-                                     split_args, usage)
+    from specpipe.cli.argv import expand_globs, flags_first, split_args
+    from specpipe.cli.precheck import precheck
+    from specpipe.cli.usage import hide_schemas_from_completion, usage
+    from specpipe.config.overrides import expand_home
 
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
         print(usage(sys.argv[1:]))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
-from specpipe.tokenizer import complete_end, decode_after, output_text, own_start, prompt_context
+from specpipe.workload.tokenizer import complete_end, decode_after, output_text, own_start, prompt_context
 
 
 @dataclass
@@ -273,7 +273,7 @@ def scalar(v: Any) -> Any:
 
 def prompt_item(p: Any, n: int) -> dict:
     """One request's item from an API prompt (the prompts-file rules, errors naming `prompt n`)."""
-    from specpipe.workload import not_unicode, parse_prompt_line
+    from specpipe.workload.prompts import not_unicode, parse_prompt_line
 
     if isinstance(p, str):
         why = not_unicode(p)
@@ -319,16 +319,19 @@ def check_out_dir(out_dir) -> str:
 
 class SpecPipe:
     def __init__(self, *overrides: str):
-        from specpipe.app import check_against_model, ensure_standalone, load_pair, model_dtype
-        from specpipe.build import build
-        from specpipe.cli_errors import compose_config, expand_home, last_value, precheck
+        from specpipe.models.cache import ensure_draft_model as ensure_standalone, load_pair, model_dtype
+        from specpipe.run import check_against_model
+        from specpipe.config.build import build
+        from specpipe.config.check import check_overrides
+        from specpipe.config.compose import compose_config
+        from specpipe.config.overrides import expand_home, last_value
 
         bad = [o for o in overrides if not isinstance(o, str) or "=" not in o or o.startswith("-")]
         if bad:
             raise SpecpipeError(f"specpipe: overrides are 'key=value' strings as on the command line "
                                 f"(e.g. 'draft.topk=4', 'allocator=paged'); got {bad[0]!r}")
         overrides = tuple(expand_home(list(overrides)))
-        err = precheck(list(overrides), api=True)
+        err = check_overrides(list(overrides), api=True)
         if err:
             raise SpecpipeError(err)
         self.cfg = compose_config(list(overrides))
@@ -376,8 +379,8 @@ class SpecPipe:
         anything decodes (`method`: generate or stream, the call the errors name)."""
         from omegaconf import OmegaConf
 
-        from specpipe.schema import is_int, sampling_problem
-        from specpipe.stop_strings import check_stop
+        from specpipe.config.schema import is_int, sampling_problem
+        from specpipe.config.stop_strings import check_stop
 
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -397,7 +400,8 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: prompts must be a prompt (a string or a chat dict) or a list of "
                                     f"them, got {type(prompts).__name__} {str(prompts)[:40]!r}") from None
         if not prompts:
-            raise SpecpipeError(f"specpipe: {method}() needs at least one prompt, got an empty {type(prompts).__name__}")
+            raise SpecpipeError(f"specpipe: {method}() needs at least one prompt, "
+                                f"got an empty {type(prompts).__name__}")
         # 0-d numpy / torch values read as their numbers, as they do inside a prompt's dict
         max_new_tokens, seed = scalar(max_new_tokens), scalar(seed)
         sampling = {k: scalar(v) for k, v in sampling.items()}
@@ -425,7 +429,7 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: {key}={v!r} {why}")
         sampling = {k: int(v) if k == "top_k" else float(v) for k, v in sampling.items()}  # numpy scalars too
         if sampling:  # this call's values win over the model's generation_config (from_model) and sampling.*
-            from specpipe.app import model_sampling
+            from specpipe.models.cache import model_sampling
 
             cfg, _ = model_sampling(cfg, self.pair)
             try:
@@ -444,15 +448,15 @@ class SpecPipe:
                 raise SpecpipeError(f"specpipe: {why}")
             extra = [stop] if isinstance(stop, str) else list(stop)
             items = [{**it, "stop": [*it.get("stop", ()), *extra]} for it in items]
-        from specpipe.app import check_against_model
-        from specpipe.validate import validate
+        from specpipe.run import check_against_model
+        from specpipe.config.validate import validate
 
         validate(cfg)  # what run() checks first (max_new_tokens against the context): before a stream's worker starts
         check_against_model(cfg, self.pair)  # and before the call takes its number: a refused call takes none
         with self._count:  # calls from several threads each take their own number (a call refused above takes none)
             k, self._calls = self._calls, self._calls + 1
         if seed is None:  # call k > 0: a new base seed, derived from the run's and k (the first call is the CLI's run)
-            from specpipe.sampling import request_seed
+            from specpipe.decode.sampling import request_seed
 
             run_seed = cfg.sampling.seed if cfg.sampling.get("seed") is not None else cfg.seed
             seed = run_seed if k == 0 else request_seed(run_seed, -k)
@@ -460,7 +464,7 @@ class SpecPipe:
         return cfg, items, out_dir
 
     def _decode(self, cfg, items: list, out_dir, on_event, cancelled: Callable[[], bool] = lambda: False):
-        from specpipe.app import run
+        from specpipe.run import run
 
         deltas = _Deltas(self.pair.tokenizer.decode, on_event) if on_event is not None else None
         self.metrics = None  # a call that fails leaves none (not an earlier call's)
@@ -483,7 +487,7 @@ class SpecPipe:
         temperature / top_p / top_k / repetition_penalty / min_p). Arguments are checked here, before the
         stream starts (SpecpipeError). Decoding runs in a worker thread; closing the stream (`close()`, a `with`
         block, or the end of a `for` loop over an unnamed stream) stops it at the next step."""
-        from specpipe.schema import SAMPLING_RULES  # a call's sampling arguments: the settings a prompt may set
+        from specpipe.config.schema import SAMPLING_RULES  # a call's sampling arguments: the settings a prompt may set
 
         self.metrics = None  # as generate(): a refused call leaves none
         unknown = sorted(set(sampling) - set(SAMPLING_RULES))

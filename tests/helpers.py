@@ -8,7 +8,7 @@ import torch
 
 
 def compose(*overrides: str):
-    from specpipe.cli_errors import compose_config
+    from specpipe.config.compose import compose_config
 
     return compose_config(list(overrides))
 

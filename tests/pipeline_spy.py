@@ -1,12 +1,12 @@
-"""Run specpipe.app.run while watching its pipeline: per-step batch size and Dynamo graph count.
+"""Run specpipe.run.run while watching its pipeline: per-step batch size and Dynamo graph count.
 
 Spies on app.build_pipeline (to keep the pipeline and wrap its step) and app.make_requests (to give
 requests different token budgets, so they finish at different steps and others join mid-run).
 """
 from __future__ import annotations
 
-from specpipe import app
-from specpipe.metrics import recompile_count
+from specpipe import run as app
+from specpipe.decode.metrics import recompile_count
 
 
 def run_watched(monkeypatch, cfg, budgets=None, pair=None) -> dict:

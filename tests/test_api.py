@@ -9,7 +9,8 @@ import pytest
 
 from helpers import compose
 from specpipe import SpecPipe, SpecpipeError  # the error class is exported where the API is
-from specpipe.app import MODEL_LOADS, run
+from specpipe.models.cache import MODEL_LOADS
+from specpipe.run import run
 
 BASE = ("model=random_tiny", "device.dtype=float64", "workload.max_new_tokens=12")
 PROMPTS = ["def f(x):", "class A:\n    ", "import os"]
@@ -41,7 +42,8 @@ def test_bad_prompts_fail_alone_and_out_dir_gets_the_files(tmp_path):
     out = sp.generate(["ok", "", {"prompt_ids": "abc"}, {"messages": [{"role": "user", "content": "hi"}]},
                        {"text": "x"}], out_dir=str(tmp_path / "run"))
     assert [c.finish_reason for c in out][1:] == ["error"] * 4 and out[0].finish_reason in ("length", "stop")
-    assert out[1].error.startswith("prompt 1: empty prompt") and 'prompt 2: "prompt_ids" must be a list of integers' in out[2].error
+    assert (out[1].error.startswith("prompt 1: empty prompt")
+            and 'prompt 2: "prompt_ids" must be a list of integers' in out[2].error)
     assert "no chat template" in out[3].error and 'prompt 4: missing the "prompt" field' in out[4].error
     assert (tmp_path / "run" / "metrics.json").exists() and (tmp_path / "run" / "completions.jsonl").exists()
 
@@ -97,7 +99,8 @@ def test_a_short_context_model_builds_and_generate_bounds_max_new_tokens():
     sp = SpecPipe("model=random_tiny", "model.max_position=48", "device.dtype=float64")
     out = sp.generate(["ab"], max_new_tokens=8)
     assert out[0].finish_reason == "length" and len(out[0].output_ids) == 8
-    with pytest.raises(SpecpipeError, match="max_new_tokens=64 leaves no room for a prompt in the model's context of 48"):
+    with pytest.raises(SpecpipeError,
+                       match="max_new_tokens=64 leaves no room for a prompt in the model's context of 48"):
         sp.generate(["ab"])
     with pytest.raises(SpecpipeError, match="max_new_tokens=64 leaves no room"):
         SpecPipe("model=random_tiny", "model.max_position=48", "workload.max_new_tokens=64")
@@ -215,7 +218,7 @@ def _feed(decode, outputs: list[list[int]]):
 
 
 def test_stream_text_is_decoded_incrementally_and_waits_for_whole_characters():
-    from specpipe.tokenizer import ByteTokenizer
+    from specpipe.workload.tokenizer import ByteTokenizer
 
     tok, decoded = ByteTokenizer(), []
 
@@ -237,7 +240,7 @@ def test_stream_text_is_decoded_incrementally_and_waits_for_whole_characters():
 def test_stream_keeps_the_spaces_a_metaspace_tokenizer_decodes(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from specpipe.tokenizer import HFTokenizer
+    from specpipe.workload.tokenizer import HFTokenizer
 
     words = ["▁the", "▁cat", "▁sat", "▁on", "▁mat", "s", "."]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[unk]"] + words)}, unk_token="[unk]"))
@@ -307,7 +310,7 @@ def join_stream_workers() -> None:
 def test_a_stream_dropped_while_it_waits_for_its_turn_never_decodes(monkeypatch):
     """Dropped in the thread that holds the decode lock (an on_event callback, or the garbage collector
     running there), a stream must not wait for its worker, which waits for that lock: that deadlocked."""
-    import specpipe.app as app
+    import specpipe.run as app
 
     calls, real = [], app.run
     monkeypatch.setattr(app, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -390,7 +393,8 @@ def test_stream_text_never_repeats_when_a_decoder_rewrites_sent_bytes():
 
     events = _feed(decode, [[120], [120, 0xC3], [120, 0xC3, 0xA9], [120, 0xC3, 0xA9, 0xC3]])
     texts = [e.text for e in events]
-    assert texts[:3] == ["x", "", "é"] and "x" not in texts[3] and len("".join(texts)) == len(decode([120, 0xC3, 0xA9, 0xC3]))
+    assert (texts[:3] == ["x", "", "é"] and "x" not in texts[3]
+            and len("".join(texts)) == len(decode([120, 0xC3, 0xA9, 0xC3])))
 
 
 def test_logprobs_through_the_api_and_streams():
@@ -451,7 +455,7 @@ def test_generate_leaves_the_callers_random_stream_alone():
 def test_a_job_that_does_not_draft_with_a_model_lets_its_kv_pool_go():
     """In-process sweeps share the loaded pair: draft=standalone then draft=eagle kept the standalone model's KV
     pool (and the reverse the head's) allocated, set up again, in every later job."""
-    from specpipe.app import load_pair
+    from specpipe.models.cache import load_pair
     from specpipe.devices.cpu import CpuDevice
 
     cfg = compose(*BASE, "draft=standalone")
@@ -469,8 +473,8 @@ def test_a_run_that_fails_before_decoding_leaves_no_timing_hooks(tmp_path, monke
     """The shared models' timing hooks were attached before the run's try/finally: a failure (or Ctrl-C) in
     between left them timing, syncing the device, on every later forward. They stay registered (once: a compiled
     branch guards on them) and time nothing outside a run."""
-    import specpipe.app as app
-    import specpipe.metrics as metrics_mod
+    import specpipe.run as app
+    import specpipe.decode.metrics as metrics_mod
 
     sp = SpecPipe(*BASE)
     hooked = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks)  # noqa: E731
@@ -545,7 +549,8 @@ def test_prompt_dicts_take_numpy_and_torch_values():
     import torch
 
     sp = SpecPipe(*BASE, "draft=none")
-    out = sp.generate([{"prompt": "x", "stop_token_ids": np.array([9])}, {"prompt": "x", "stop_token_ids": torch.tensor([9])},
+    out = sp.generate([{"prompt": "x", "stop_token_ids": np.array([9])},
+                       {"prompt": "x", "stop_token_ids": torch.tensor([9])},
                        {"prompt": "x", "stop_token_ids": {9}}, {"prompt": "x", "n": np.int64(1)},
                        {"prompt": "x", "presence_penalty": np.float32(0)}, {"prompt_ids": np.array([5, 6, 7])},
                        {"prompt_ids": (5, 6, 7)}, {"prompt": "x", "n": np.int64(2)}], max_new_tokens=4)
@@ -746,8 +751,9 @@ def test_generation_config_eos_ends_requests_of_a_specpipe_tokenizer_folder(tmp_
     was ignored, so such a request ran to max_new_tokens past the model's stop id."""
     import shutil
 
-    from specpipe.models.hf import load_target, load_tokenizer
-    from specpipe.tokenizer import stop_token_ids
+    from specpipe.models.hf.load import load_target
+    from specpipe.models.hf.tokenizer import load_tokenizer
+    from specpipe.workload.tokenizer import stop_token_ids
 
     folder = tmp_path / "target"
     shutil.copytree(Path(__file__).resolve().parents[1] / "specpipe/assets/tiny/target", folder)
@@ -769,7 +775,7 @@ def test_stream_adds_up_when_the_output_finishes_a_character_the_prompt_left_ope
     from types import SimpleNamespace
 
     from specpipe.api import _Deltas
-    from specpipe.tokenizer import ByteTokenizer, output_text
+    from specpipe.workload.tokenizer import ByteTokenizer, output_text
 
     tok, out, events = ByteTokenizer(), [0x80, *b"ab"], []
     deltas = _Deltas(tok.decode, events.append)

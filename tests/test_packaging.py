@@ -27,7 +27,7 @@ def test_a_wheel_installed_elsewhere_composes_and_runs(tmp_path):
                                     capture_output=True, text=True, timeout=300)
     p = run("--cfg", "job", "draft=ngram", "allocator=paged")
     assert p.returncode == 0 and "method: ngram" in p.stdout and "page_size" in p.stdout, p.stderr
-    p = subprocess.run([sys.executable, "-c", "import specpipe.cli_errors as c; print(c.CONF_DIR)"], cwd=where,
+    p = subprocess.run([sys.executable, "-c", "import specpipe.config.compose as c; print(c.CONF_DIR)"], cwd=where,
                        env=env, capture_output=True, text=True)
     assert p.stdout.strip().startswith(str(site)), p.stdout  # the wheel's own configs, not this checkout's
     p = run("workload.num_prompts=1", "workload.max_new_tokens=4", "device.num_threads=1", "draft=ngram",

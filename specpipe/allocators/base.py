@@ -8,6 +8,8 @@ never raise on OOM (callers decide: retract, evict or fail).
 """
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,10 +22,43 @@ def num_new_pages(prefix_lens: Tensor, seq_lens: Tensor, page_size: int) -> int:
     return int(((seq_lens + ps - 1) // ps - (prefix_lens + ps - 1) // ps).sum().item())
 
 
+@dataclass(frozen=True)
+class PoolDemand:
+    """What a run's workload asks of the KV pools, which a null allocator.num_slots is sized by (the run counts it
+    before it builds the allocator: `decode.requests.pool_demand`)."""
+    rows: int  # requests decoded together
+    row_slots: int  # slots one request holds at full length: its prompt (page-aligned), new tokens, tree and scratch
+    context: int  # the model's context: no request holds more
+    hot_buffer_slots: int = 0  # device slots of one request's hot buffer (top-k sparse attention's keys, x a factor)
+
+    @property
+    def slots(self) -> int:
+        """A pool for `rows` of the longest requests at full length."""
+        return self.rows * self.row_slots
+
+
 class KVAllocator:
     """Base class: page-granular free list of page ids 1..num_pages (page size 1 = token slots)."""
 
     capabilities: frozenset = frozenset()
+
+    # ---- from config, before one is built (each allocator sizes its own pools) -----------------
+    @classmethod
+    def pool_sizes(cls, cfg, demand: PoolDemand) -> dict:
+        """Constructor sizes standing in for null pool settings (allocator.num_slots here): the workload's.
+
+        Sizing from the workload (rather than a fixed large pool) keeps KV memory and the pool's set-up time
+        proportional to what the run can use; allocator.num_slots overrides it."""
+        return {"num_slots": demand.slots}
+
+    @classmethod
+    def fit_model(cls, cfg, pair):
+        """cfg with the allocator settings the loaded model decides (none here)."""
+        return cfg
+
+    @classmethod
+    def check_model(cls, cfg, pair) -> None:
+        """ConfigError when the loaded model cannot run under these allocator settings (any model can here)."""
 
     def __init__(self, num_slots: int, page_size: int = 1, device: str | torch.device = "cpu",
                  debug: bool = False):
@@ -110,3 +145,28 @@ class KVAllocator:
         group, self._group = self._group, None
         if group:
             self._free_now(torch.cat(group))
+
+
+def allocator_class(cfg) -> type:
+    """The class allocator._target_ names (validated to be a specpipe one); KVAllocator, whose sizing it then takes,
+    for a target that is not a KVAllocator."""
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(str(cfg.allocator._target_))
+    except (ImportError, ValueError):
+        return KVAllocator
+    return cls if issubclass(cls, KVAllocator) else KVAllocator
+
+
+def build_allocator(cfg, device, sizes: dict):
+    """The configured allocator on `device`; `sizes` (`pool_sizes`) stand in for its null pool settings."""
+    from hydra.utils import get_method
+
+    from specpipe.config.build import build
+
+    kwargs = {"device": device.torch_device}
+    kwargs.update({k: v for k, v in sizes.items() if cfg.allocator.get(k) is None})
+    if "kernels" in inspect.signature(get_method(str(cfg.allocator._target_))).parameters:
+        kwargs["kernels"] = device.allocator_kernels
+    return build(cfg.allocator, "allocator", **kwargs)

@@ -13,8 +13,21 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from specpipe.allocators.base import PoolDemand
 from specpipe.allocators.paged import PagedAllocator
 from specpipe.allocators.swa import PairedAllocator
+from specpipe.errors import ConfigError
+
+
+def check_sparse_model(pair) -> None:
+    """ConfigError unless the target's attention is top-k sparse: HiSparse keeps on the device only what
+    the sparse attention reads, so over a dense model it would be a paged pool with a second, unused one."""
+    if pair.target.config.sparse_top_k is None:
+        name = getattr(pair, "name", "") or "this model"
+        raise ConfigError(f"allocator=hisparse keeps the full KV in a host pool and only the tokens that top-k "
+                          f"sparse attention reads on the device, but {name!r} has dense attention (its config "
+                          "sets no sparse_top_k), so every token would stay on the device; use allocator=paged or "
+                          "allocator=token, or a top-k sparse model, e.g. model=random_tiny model.sparse_top_k=64")
 
 
 class HiSparseAllocator(PairedAllocator):
@@ -22,6 +35,18 @@ class HiSparseAllocator(PairedAllocator):
 
     capabilities = frozenset({"alloc_extend", "alloc_decode", "num_new_pages", "backup_state",
                               "hisparse"})
+
+    @classmethod
+    def pool_sizes(cls, cfg, demand: PoolDemand) -> dict:
+        """num_slots is the *device* pool and the logical (host) pool is num_slots x host_to_device_ratio, which every
+        live token holds an id in and which the KV cache is sized by; so the logical pool gets the workload (what
+        allocator=token's pool holds) and the device pool 1/ratio of it, but never less than a hot buffer per row."""
+        ps, ratio = cfg.allocator.page_size, cfg.allocator.host_to_device_ratio
+        return {"num_slots": max(-(-demand.slots // (ratio * ps)) * ps, demand.rows * demand.hot_buffer_slots)}
+
+    @classmethod
+    def check_model(cls, cfg, pair) -> None:
+        check_sparse_model(pair)
 
     def __init__(self, num_slots: int, page_size: int = 1, host_to_device_ratio: int = 2,
                  device: str | torch.device = "cpu", debug: bool = False, kernels: str = "torch"):

@@ -13,10 +13,34 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
-from specpipe.allocators.base import KVAllocator, num_new_pages as count_new_pages
+from specpipe.allocators.base import KVAllocator, PoolDemand, num_new_pages as count_new_pages
 from specpipe.allocators.paged import PagedAllocator, count_decode_pages
+from specpipe.config.validate import window_problems, window_row_slots
+from specpipe.errors import ConfigError
+
+SWA_PREFILL_TOKENS = 2048  # prompt tokens a null swa_num_slots leaves each row beyond its window (sglang's chunk)
+
+
+def check_window_pool(pair, window: Optional[int]) -> int:
+    """The window the pool keeps: `window`, or the model's sliding window (the largest of its layers') when None.
+    ConfigError unless the target has sliding-window layers that it covers."""
+    cfg = pair.target.config
+    windows = [w for w in (cfg.window_of(i) for i in range(cfg.num_hidden_layers)) if w is not None]
+    name = getattr(pair, "name", "") or "this model"
+    if not windows:
+        raise ConfigError(f"allocator=swa keeps a window pool for sliding-window layers, but {name!r} has no "
+                          "sliding-window layers (its config sets no sliding_window, or for Qwen2/Qwen3 no "
+                          "use_sliding_window with max_window_layers below num_hidden_layers); use a model with "
+                          "sliding window attention, e.g. model=random_tiny model.sliding_window=64, or another "
+                          "allocator (allocator=token or allocator=paged)")
+    if window is not None and window < max(windows):
+        raise ConfigError(f"allocator.window={window} is smaller than the model's sliding window of "
+                          f"{max(windows)} tokens: the window pool would drop keys the model still attends to; "
+                          f"use allocator.window>={max(windows)}, or leave it null (the model's)")
+    return max(windows) if window is None else window
 
 
 class PairedAllocator(KVAllocator):
@@ -137,6 +161,38 @@ class SWAAllocator(PairedAllocator):
 
     capabilities = frozenset({"alloc_extend", "alloc_decode", "num_new_pages", "backup_state",
                               "window_evict", "free_page_starts"})
+
+    @classmethod
+    def pool_sizes(cls, cfg, demand: PoolDemand) -> dict:
+        """The full pool as any allocator's; the window pool, when `swa_num_slots` is null, `demand.rows` rows of what
+        one keeps there (its window, one step's draft and verify space) plus SWA_PREFILL_TOKENS of prompt; never more
+        than the full pool.
+
+        A window pool as large as the full pool saves nothing; this one stops growing with the context, so a long
+        context costs sliding layers a window, not its length. A prompt up to window + 2048 tokens still prefills in
+        one forward, a longer one in chunks of about 2048 (each frees what left the window before the next)."""
+        ps = cfg.allocator.page_size
+        row = window_row_slots(cfg, cfg.allocator.window, demand.context) + -(-SWA_PREFILL_TOKENS // ps) * ps
+        full = cfg.allocator.num_slots or demand.slots
+        return {"num_slots": demand.slots, "swa_num_slots": min(full, demand.rows * row)}
+
+    @classmethod
+    def fit_model(cls, cfg, pair):
+        """cfg with allocator.window set to the model's sliding window where it is null (and to the model's context
+        where it is larger)."""
+        if cfg.allocator.window is not None:  # a request never holds more than the context: a larger window keeps the
+            ctx = pair.target.config.max_position_embeddings  # same (and one past int64 overflowed numpy mid-run)
+            return cfg if cfg.allocator.window <= ctx else OmegaConf.merge(cfg, {"allocator": {"window": ctx}})
+        return OmegaConf.merge(cfg, {"allocator": {"window": check_window_pool(pair, None)}})
+
+    @classmethod
+    def check_model(cls, cfg, pair) -> None:
+        """The model has sliding-window layers the window covers, and the window pool holds a step."""
+        window = check_window_pool(pair, cfg.allocator.window)
+        problems = window_problems(cfg, window, model_window=cfg.allocator.window is None,
+                                   context=pair.target.config.max_position_embeddings)
+        if problems:
+            raise ConfigError(problems)
 
     def __init__(self, num_slots: int, page_size: int = 1, window: int = 4096,
                  swa_num_slots: Optional[int] = None, device: str | torch.device = "cpu",

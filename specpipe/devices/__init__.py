@@ -18,7 +18,7 @@ def explain_backend_load_error(exc: BaseException) -> Optional[str]:
 
     Call it where `import torch` (or `import torch_npu`) can raise, e.g.:
         try:
-            from specpipe.app import run
+            from specpipe.run import run
         except RuntimeError as e:
             msg = explain_backend_load_error(e)
             ...  # print("specpipe: " + msg), exit 2

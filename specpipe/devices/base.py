@@ -13,8 +13,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from specpipe.compile_policy import DEVICE_SUPPORT, BranchPolicy, device_problem
+from specpipe.config.compile_policy import DEVICE_SUPPORT, BranchPolicy, device_problem
 from specpipe.errors import ConfigError
+from specpipe.notes import logger
+
+log = logger(__name__)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # device types whose float64 arithmetic is missing or emulated (Ascend's AI cores have none): sampling keeps its
@@ -125,11 +128,10 @@ def set_threads(num_threads: Optional[int]) -> None:
     if num_threads is not None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         if num_threads > cores and _THREADS_BEFORE[1:] != [num_threads]:  # (said once, not per sweep job)
-            import sys
 
-            print(f"specpipe: note: device.num_threads={num_threads} is more than the {cores} CPU core(s) this "
-                  f"process may use; torch's threads then wait on one another (a run can be many times slower): "
-                  f"use at most {cores}", file=sys.stderr)
+            log.info(f"specpipe: note: device.num_threads={num_threads} is more than the {cores} CPU core(s) this "
+                     f"process may use; torch's threads then wait on one another (a run can be many times slower): "
+                     f"use at most {cores}")
         if not _THREADS_BEFORE:
             _THREADS_BEFORE[:] = [torch.get_num_threads(), num_threads]
         _THREADS_BEFORE[1] = num_threads
@@ -201,7 +203,7 @@ class Device:
             return self.compile_fn(fn, policy.kwargs)
         if policy.mode == "graph":
             return self.graph_fn(fn)
-        from specpipe.autotune import AutoBranch
+        from specpipe.devices.autotune import AutoBranch
 
         return AutoBranch(name or branch_name(fn), self.auto_candidates(fn, policy.kwargs), self.synchronize)
 

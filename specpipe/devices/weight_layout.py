@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpipe.models.attention import refresh_fused_views
-from specpipe.schema import WEIGHT_LAYOUTS as LAYOUTS
+from specpipe.config.schema import WEIGHT_LAYOUTS as LAYOUTS
 
 MARGIN = 0.05  # column-major must be this much faster to replace the default (row-major) layout
 COLD_BYTES = 32 << 20  # time on rotating copies this large: a model bigger than the cache streams its weights

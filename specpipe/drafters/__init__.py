@@ -1,6 +1,7 @@
-"""Drafters other than the EAGLE head: n-gram prompt lookup and a standalone draft model."""
-from specpipe.drafters.ngram import NgramDrafter, pack_histories
-from specpipe.drafters.standalone import StandaloneDrafter
+"""Drafters: one file per `draft=` option, each one class built from its schema's `_target_` (`drafters.base`), and
+the matching and model code they draft with (n-gram trie, suffix cache, standalone model stage, tree layout)."""
+from specpipe.drafters.ngram_trie import NgramDrafter, pack_histories
+from specpipe.drafters.standalone_draft import StandaloneDrafter
 from specpipe.drafters.tree import tree_from_parents
 
 __all__ = ["NgramDrafter", "StandaloneDrafter", "pack_histories", "tree_from_parents"]

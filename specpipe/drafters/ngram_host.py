@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specpipe.drafters.ngram import SEP, NgramDrafter
+from specpipe.drafters.ngram_trie import SEP, NgramDrafter
 from specpipe.stages.build_tree import Tree
 
 

@@ -154,7 +154,8 @@ def fuse_projections(models) -> int:
     n = 0
     for model in models:
         for mod in (model.modules() if model is not None else ()):
-            if (isinstance(mod, MLP) and mod.gate_up_proj is None) or (isinstance(mod, Attention) and mod.qkv_proj is None):
+            if ((isinstance(mod, MLP) and mod.gate_up_proj is None)
+                    or (isinstance(mod, Attention) and mod.qkv_proj is None)):
                 mod.fuse()
                 n += 1
     return n

@@ -9,7 +9,7 @@ from specpipe.errors import ConfigError
 from specpipe.models.eagle import EagleHead
 from specpipe.models.llama import LlamaConfig, LlamaForCausalLM
 from specpipe.models.pair import ModelPair
-from specpipe.tokenizer import small_or_byte_tokenizer
+from specpipe.workload.tokenizer import small_or_byte_tokenizer
 
 
 def layer_pattern(sliding_layers: str, num_layers: int) -> Optional[list]:
@@ -32,7 +32,8 @@ def check_shape(**shape) -> None:
     heads, kv = shape["num_heads"], shape["num_kv_heads"]
     if heads >= 1 and kv >= 1 and heads % kv:
         errors.append(f"model.num_kv_heads={kv} must divide model.num_heads={heads}")
-    if heads >= 1 and shape["hidden_size"] >= 1 and (shape["hidden_size"] % heads or (shape["hidden_size"] // heads) % 2):
+    if (heads >= 1 and shape["hidden_size"] >= 1
+            and (shape["hidden_size"] % heads or (shape["hidden_size"] // heads) % 2)):
         errors.append(f"model.hidden_size={shape['hidden_size']} must be a multiple of 2 * model.num_heads "
                       f"= {2 * heads} (RoPE needs an even head dimension)")
     if errors:

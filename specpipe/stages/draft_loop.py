@@ -3,10 +3,10 @@ re-rank, then the verify tree built from their candidates.
 
 Run step by step (the default, `compile.draft_loop.steps=eager`), every draft step is a separate call of
 `draft_forward.decode`, `draft_topk.first/later` and finally `build_tree.build`, each under its own policy,
-with Python between them (visibility mask, attention batch). Compiled as one function, a round makes one call: the guards, wrapper and
-host ops of the other calls go (on the shipped pair's CPU run, 2.9 -> 1.9 ms of drafting per round at
-topk=1, num_steps=4). The body calls the other stages' *unwrapped* bodies, so under this policy their own
-policies do not apply to the round (the extend still runs `draft_forward.extend`).
+with Python between them (visibility mask, attention batch). Compiled as one function, a round makes one call:
+the guards, wrapper and host ops of the other calls go (on the shipped pair's CPU run, 2.9 -> 1.9 ms of
+drafting per round at topk=1, num_steps=4). The body calls the other stages' *unwrapped* bodies, so under
+this policy their own policies do not apply to the round (the extend still runs `draft_forward.extend`).
 
 Both draft scratch layouts run inside it (`stages.draft_scratch`): the flat scratch of page size 1, where every
 step reads the same slot columns and the ancestry mask tells branches apart, and the page-aligned branch regions
@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specpipe.pipeline import finite_rows
 from specpipe.stages.base import Stage, branch, per_shape
 from specpipe.stages.build_tree import BuildTree, candidates
 from specpipe.stages.draft_forward import DraftForward, advance_visibility
 from specpipe.stages.draft_topk import DraftTopK
+from specpipe.stages.finite import finite_rows
 
 
 class DraftLoop(Stage):

@@ -28,23 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specpipe.config.validate import scratch_tokens_per_request  # noqa: F401  (the worst case, counted in config)
 from specpipe.models.attention_batch import AttentionBatch
 from specpipe.stages.draft_forward import draft_decode_batch
-
-
-def draft_columns(method: str, num_steps: int) -> int:
-    """Draft KV columns per branch and round: an EAGLE head's step 0 reuses the extend's top-k (S - 1
-    forwards); a standalone draft also runs the root (S); n-gram lookup has no model."""
-    return {"eagle": num_steps - 1, "standalone": num_steps}.get(method, 0)
-
-
-def scratch_tokens_per_request(page_size: int, topk: int, width: int) -> int:
-    """Worst-case draft slots one request borrows per round (W columns per branch, K branches)."""
-    if width <= 0:
-        return 0
-    if page_size == 1:
-        return topk * width
-    return topk * (-(-(page_size - 1 + width) // page_size)) * page_size
 
 
 @dataclass

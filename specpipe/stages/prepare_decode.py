@@ -22,10 +22,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specpipe.errors import ConfigError
+from specpipe.allocators.hisparse import check_sparse_model
+from specpipe.allocators.swa import check_window_pool
 from specpipe.stages.base import Stage
 from specpipe.stages.draft_scratch import BranchRegions, FlatScratch, branch_region_slots
 from specpipe.stages.hot_buffers import HotBufferBook
+from specpipe.stages.padding import bucket
+
+
+class OutOfKVMemory(RuntimeError):
+    """A step's KV reservation failed after admission had made room for it: a bookkeeping bug, not a
+    full pool (a full pool retracts requests before the step starts)."""
 
 
 def ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +168,8 @@ class PrepareDecode(Stage):
         cols = starts[:, None] + torch.arange(width, device=self.device)
         return self.table[rows_t[:, None], cols.clamp(max=self.max_context - 1)]
 
-    def draft_scratch(self, rows: np.ndarray, rows_t: Tensor, L: np.ndarray, L_t: Tensor, topk: int, width: int, root: bool = False):
+    def draft_scratch(self, rows: np.ndarray, rows_t: Tensor, L: np.ndarray, L_t: Tensor, topk: int, width: int,
+                      root: bool = False):
         """Throw-away slots for one draft round of `width` columns per branch, or None on OOM.
 
         Page size 1: a flat block (`FlatScratch`); larger pages: page-aligned per-branch regions with
@@ -169,8 +177,6 @@ class PrepareDecode(Stage):
         by every branch (a standalone draft's root at position L), and the tree starts at column 1.
         The allocator state is saved first; `end_scratch(sc.state)` hands every slot back.
         """
-        from specpipe.pipeline import bucket  # (pipeline imports this module)
-
         ps, B, dev = self.ps, len(L), self.device
         first = int(root)
         flat = ps == 1 or width + first == 0  # nothing to hold (one draft step): no pages, as the budget assumed
@@ -293,36 +299,6 @@ class PrepareDecode(Stage):
                 self.alloc.free_page_starts(slots, **how)
             else:
                 self.alloc.free(slots)
-
-
-def check_window_pool(pair, window: Optional[int]) -> int:
-    """The window the pool keeps: `window`, or the model's sliding window (the largest of its layers') when None.
-    ConfigError unless the target has sliding-window layers that it covers."""
-    cfg = pair.target.config
-    windows = [w for w in (cfg.window_of(i) for i in range(cfg.num_hidden_layers)) if w is not None]
-    name = getattr(pair, "name", "") or "this model"
-    if not windows:
-        raise ConfigError(f"allocator=swa keeps a window pool for sliding-window layers, but {name!r} has no "
-                          "sliding-window layers (its config sets no sliding_window, or for Qwen2/Qwen3 no use_sliding_window "
-                          "with max_window_layers below num_hidden_layers); use a model with sliding "
-                          "window attention, e.g. model=random_tiny model.sliding_window=64, or another "
-                          "allocator (allocator=token or allocator=paged)")
-    if window is not None and window < max(windows):
-        raise ConfigError(f"allocator.window={window} is smaller than the model's sliding window of "
-                          f"{max(windows)} tokens: the window pool would drop keys the model still attends to; "
-                          f"use allocator.window>={max(windows)}, or leave it null (the model's)")
-    return max(windows) if window is None else window
-
-
-def check_sparse_model(pair) -> None:
-    """ConfigError unless the target's attention is top-k sparse: HiSparse keeps on the device only what
-    the sparse attention reads, so over a dense model it would be a paged pool with a second, unused one."""
-    if pair.target.config.sparse_top_k is None:
-        name = getattr(pair, "name", "") or "this model"
-        raise ConfigError(f"allocator=hisparse keeps the full KV in a host pool and only the tokens that top-k "
-                          f"sparse attention reads on the device, but {name!r} has dense attention (its config "
-                          "sets no sparse_top_k), so every token would stay on the device; use allocator=paged or "
-                          "allocator=token, or a top-k sparse model, e.g. model=random_tiny model.sparse_top_k=64")
 
 
 def target_kv_layout(pair, allocator) -> dict:

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from specpipe.models.attention_batch import AttentionBatch, extend_batch
-from specpipe.pipeline import finite_rows
 from specpipe.stages.base import Stage, branch, per_shape
 from specpipe.stages.draft_forward import DraftForward
+from specpipe.stages.finite import finite_rows
 from specpipe.stages.prefill import target_hidden
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from specpipe.devices.base import wide_float
-from specpipe.schema import GREEDY_TEMPERATURE  # temperatures below it are greedy (re-exported here)
+from specpipe.config.schema import GREEDY_TEMPERATURE  # temperatures below it are greedy (re-exported here)
 from specpipe.stages.base import Stage, branch
 
 STREAM_ACCEPT, STREAM_BONUS, STREAM_DRAFT = 1, 2, 3

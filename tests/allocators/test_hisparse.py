@@ -163,7 +163,7 @@ def test_hot_buffer_matches_an_lru_model(steps):
 def test_a_leak_in_the_logical_pool_is_counted():
     """kv_leaked_slots counts every pool: min(logical, device) sizes hid logical ids never freed."""
     from specpipe.allocators import HiSparseAllocator
-    from specpipe.app import leaked_slots
+    from specpipe.outputs.summary import leaked_slots
 
     a = HiSparseAllocator(16, 1, host_to_device_ratio=4)
     ids = a.logical.alloc(8)  # logical ids only, never freed

@@ -89,7 +89,7 @@ def test_grouped_frees_land_at_group_end_once():
 
 def test_decode_with_free_list_exactly_exhausted():
     a = PagedAllocator(16, 4)
-    rows = a.alloc_extend(t([0, 0, 0]), t([4, 2, 3]), t([-1, -1, -1]))   # pages 1, 2, 3
+    a.alloc_extend(t([0, 0, 0]), t([4, 2, 3]), t([-1, -1, -1]))   # pages 1, 2, 3
     assert a.available() == 4
     out = a.alloc_decode(t([5, 3, 4]), t([4, 9, 14]))   # only request 0 opens a page (page 4)
     assert out.tolist() == [16, 10, 15] and a.available() == 0

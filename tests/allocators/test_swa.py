@@ -1,6 +1,5 @@
 """SWA allocator: model walk with window eviction, mapping invariants, no leak on failure."""
 import pytest
-import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 

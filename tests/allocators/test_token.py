@@ -1,5 +1,4 @@
 """Token allocator (page size 1): model walk plus the append-on-free order."""
-import torch
 
 from specpipe.allocators import TokenAllocator
 from specpipe.allocators.reference import RefAllocator

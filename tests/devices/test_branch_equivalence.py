@@ -11,9 +11,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from draft_inputs import draft_round, tree_inputs
-from specpipe.compile_policy import parse_policy
+from specpipe.config.compile_policy import parse_policy
 from specpipe.devices.cpu import CpuDevice
-from specpipe.metrics import recompile_count
+from specpipe.decode.metrics import recompile_count
 from specpipe.stages.build_tree import BuildTree
 from specpipe.stages.draft_topk import DraftTopK
 

@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from specpipe.autotune import AutoBranch
-from specpipe.compile_policy import parse_policy
+from specpipe.devices.autotune import AutoBranch
+from specpipe.config.compile_policy import parse_policy
 from specpipe.devices import explain_backend_load_error
 from specpipe.devices.base import REPO_ROOT, BatchGeneric, use_build_inductor_cache
 from specpipe.devices.cpu import CpuDevice

@@ -144,8 +144,8 @@ class CapturingApi(StubGraphApi):
 def test_graphed_model_branch_is_timed_without_synchronizing_inside_the_capture():
     from omegaconf import OmegaConf
 
-    from specpipe.app import make_wrap
-    from specpipe.metrics import Metrics
+    from specpipe.stages.compile_binding import make_wrap
+    from specpipe.decode.metrics import Metrics
     from specpipe.stages.base import Stage, branch
 
     lin = torch.nn.Linear(4, 4)
@@ -168,7 +168,8 @@ def test_graphed_model_branch_is_timed_without_synchronizing_inside_the_capture(
     metrics = Metrics(1)
     metrics.attach_model_timer([lin], synchronize)  # the module timer hooks run inside the branch
     stage = Target()
-    stage.bind(make_wrap(OmegaConf.create({"compile": {"verify": {"target_forward": "graph"}}}), GraphDevice(), metrics))
+    stage.bind(make_wrap(OmegaConf.create({"compile": {"verify": {"target_forward": "graph"}}}),
+                         GraphDevice(), metrics))
     x = torch.randn(2, 4)
     with torch.no_grad():
         with metrics.stage("verify"):

@@ -98,7 +98,7 @@ def test_bad_layout_is_refused():
 def test_run_applies_and_reports_the_layout():
     from helpers import compose
 
-    from specpipe.app import run
+    from specpipe.run import run
 
     pair = build_random_tiny(seed=1)
     cfg = compose("model=random_tiny", "workload.num_prompts=2", "workload.max_new_tokens=4", "draft=eagle",

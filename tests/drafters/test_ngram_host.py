@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from specpipe.drafters import ngram_host
-from specpipe.drafters.ngram import SEP, NgramDrafter, pack_histories
+from specpipe.drafters.ngram_trie import SEP, NgramDrafter, pack_histories
 from specpipe.drafters.tree import tree_from_parents
 
 FIELDS = ("tokens", "positions", "mask", "parent", "depth", "next_token", "next_sibling", "retrieve_index")
@@ -65,7 +65,7 @@ def test_unreachable_nodes_are_unlinked_as_in_torch():
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_a_run_drafts_the_same_on_either_path(monkeypatch, tmp_path, method):
     from helpers import compose, random_prompts, write_prompts
-    from specpipe.app import run
+    from specpipe.run import run
     from specpipe.devices.cpu import CpuDevice
 
     path = write_prompts(tmp_path / "p.jsonl", random_prompts(3, [60, 90, 30, 75]))
@@ -79,12 +79,13 @@ def test_a_run_drafts_the_same_on_either_path(monkeypatch, tmp_path, method):
     monkeypatch.setattr(CpuDevice, "host_memory", False)
     dev = run(compose(*over), quiet=True)["metrics"]
     assert len(calls) == host["num_verify_steps"]  # and none with the torch path
-    assert host["accept_length_mean"] == dev["accept_length_mean"] and host["num_verify_steps"] == dev["num_verify_steps"]
+    assert (host["accept_length_mean"] == dev["accept_length_mean"]
+            and host["num_verify_steps"] == dev["num_verify_steps"])
     assert host["acceptance_rate_per_position"] == dev["acceptance_rate_per_position"]
 
 
 def test_the_running_corpus_is_built_alike_on_the_host():
-    from specpipe.proposers import NgramProposer
+    from specpipe.drafters.ngram import NgramProposer
 
     prop = NgramProposer(4, 3, 9, 1, 3, max_requests=3, max_context=16, device="cpu", running_tokens=12)
     ctx = torch.tensor([[10, 11, 12, 13, 14, 15, 0], [20, 21, 22, 0, 0, 0, 0], [30, 31, 32, 33, 34, 35, 36]])

@@ -14,7 +14,7 @@ from specpipe.allocators.token import TokenAllocator
 from specpipe.drafters import StandaloneDrafter
 from specpipe.models.attention_batch import extend_batch
 from specpipe.models.random_tiny import build_random_tiny
-from specpipe.pipeline import bucket
+from specpipe.stages.padding import bucket
 from specpipe.stages.build_tree import BuildTree
 from specpipe.stages.draft_forward import top_k
 from specpipe.stages.draft_topk import DraftTopK

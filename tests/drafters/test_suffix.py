@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specpipe.drafters import NgramDrafter, pack_histories
-from specpipe.drafters.ngram import SEP
-from specpipe.drafters.suffix import SuffixCache
+from specpipe.drafters.ngram_trie import SEP
+from specpipe.drafters.suffix_cache import SuffixCache
 from trie_votes import linked_paths, voted_trie
 
 
@@ -95,7 +95,7 @@ def test_property_drafts_follow_matches_in_the_cache_and_the_context(hist, corpu
 def test_repeated_requests_draft_from_earlier_outputs(prompts_file):
     """Served requests that repeat one another: with the cache, later ones draft whole continuations."""
     from helpers import compose, random_prompts
-    from specpipe.app import run
+    from specpipe.run import run
     from specpipe.models.random_tiny import build_random_tiny
 
     pair = build_random_tiny(seed=0, dtype="float64")
@@ -114,8 +114,8 @@ def test_repeated_requests_draft_from_earlier_outputs(prompts_file):
 
 @pytest.mark.parametrize("cache_prompts", [False, True])
 def test_finished_requests_feed_the_cache_errors_do_not(cache_prompts):
-    from specpipe.pipeline import Request
-    from specpipe.proposers import NgramProposer
+    from specpipe.decode.request import Request
+    from specpipe.drafters.ngram import NgramProposer
 
     prop = NgramProposer(4, 3, 9, 1, 3, max_requests=2, max_context=32, device="cpu", cache_tokens=100,
                          cache_prompts=cache_prompts)
@@ -128,7 +128,7 @@ def test_finished_requests_feed_the_cache_errors_do_not(cache_prompts):
 
 
 def test_running_corpus_holds_the_other_requests_newest_tokens():
-    from specpipe.proposers import NgramProposer
+    from specpipe.drafters.ngram import NgramProposer
 
     prop = NgramProposer(4, 3, 9, 1, 3, max_requests=3, max_context=16, device="cpu", running_tokens=12)
     ctx = torch.tensor([[10, 11, 12, 13, 14, 15, 0],
@@ -150,7 +150,7 @@ def test_requests_decoded_together_draft_from_one_another(tmp_path):
     import json
 
     from helpers import compose, random_prompts
-    from specpipe.app import run
+    from specpipe.run import run
     from specpipe.models.random_tiny import build_random_tiny
 
     pair = build_random_tiny(seed=0, dtype="float64")

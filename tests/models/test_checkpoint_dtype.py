@@ -1,4 +1,5 @@
-"""model.dtype=auto: a checkpoint runs in its own dtype, read as transformers' from_pretrained(dtype="auto") reads it."""
+"""model.dtype=auto: a checkpoint runs in its own dtype, read as transformers' from_pretrained(dtype="auto")
+reads it."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,8 @@ import torch
 
 from specpipe.api import SpecPipe
 from specpipe.errors import SpecpipeError
-from specpipe.models.hf import checkpoint_dtype, save_target
+from specpipe.models.hf.dtypes import checkpoint_dtype
+from specpipe.models.hf.save import save_target
 from specpipe.models.random_tiny import build_random_tiny
 
 

@@ -10,7 +10,9 @@ from safetensors.torch import save_file
 
 from specpipe.models.attention_batch import extend_batch
 from specpipe.models.eagle3 import Eagle3Head, default_aux_layers
-from specpipe.models.hf import CheckpointError, load_draft, save_eagle
+from specpipe.models.hf.errors import CheckpointError
+from specpipe.models.hf.load import load_draft
+from specpipe.models.hf.save import save_eagle
 from specpipe.models.random_tiny import build_random_tiny
 
 H, V, VD, HEADS, KV, HD, INTER = 64, 258, 100, 4, 2, 16, 96
@@ -171,7 +173,8 @@ def test_vllm_top_level_aux_ids_name_the_input_of_a_layer(setup, tmp_path):
     for layer in target.layers:  # the residual stream after each layer, by hand
         outs.append(x := layer(x, *target.rotary(torch.arange(6)[None], x.dtype), None, target.kv))
     assert torch.equal(aux, torch.cat((target.embed_tokens(ids), outs[1], outs[2]), -1))
-    both = {**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 3], "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}
+    both = {**config, "eagle_aux_hidden_state_layer_ids": [0, 2, 3],
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX}}
     assert load_draft(_write(tmp_path / "both", both, sd), target).aux_layers == AUX  # sglang's field wins
     save_eagle(head, tmp_path / "saved", dtype="float32")
     assert load_draft(tmp_path / "saved", target).aux_layers == [-1, 1, 2]  # the embeddings survive a round trip
@@ -317,7 +320,8 @@ def _layer_tensors(i: int, seed: int) -> dict[str, torch.Tensor]:
               "self_attn.v_proj.weight": (KV * HD, H), "self_attn.o_proj.weight": (H, HEADS * HD),
               "mlp.gate_proj.weight": (INTER, H), "mlp.up_proj.weight": (INTER, H), "mlp.down_proj.weight": (H, INTER)}
     return {f"layers.{i}.{k}": ((1 + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else
-                                torch.randn(s, generator=g) / s[1] ** 0.5).to(torch.bfloat16) for k, s in shapes.items()}
+                                torch.randn(s, generator=g) / s[1] ** 0.5).to(torch.bfloat16)
+            for k, s in shapes.items()}
 
 
 @torch.no_grad()
@@ -452,7 +456,8 @@ def test_an_eagle3_head_whose_config_does_not_say_so_loads_as_eagle3(setup, tmp_
     reduced vocabulary's maps) say EAGLE-3. It went to the EAGLE-1 loader, which refused fc.weight's width."""
     target, folder, sd = setup
     head = load_draft(folder, target)
-    renamed = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
+    renamed = {("layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
+               for k, v in sd.items()}
     plain = _write(tmp_path / "plain", {**_config(), "architectures": ["LlamaForCausalLM"]}, renamed)
     again = load_draft(plain, target)
     assert type(again) is type(head)

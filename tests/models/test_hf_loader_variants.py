@@ -5,7 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specpipe.models.hf import CheckpointError, load_target, parse_config
+from specpipe.models.hf.config import parse_config
+from specpipe.models.hf.errors import CheckpointError
+from specpipe.models.hf.load import load_target
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specpipe.models.attention_batch import extend_batch
-from specpipe.models.hf import load_hf, load_target, save_target
+from specpipe.models.hf.load import load_hf, load_target
+from specpipe.models.hf.save import save_target
 from specpipe.models.random_tiny import build_random_tiny
 
 TOL = 1e-4
@@ -138,7 +139,8 @@ def test_save_target_is_readable_by_transformers(transformers, tmp_path):
 @pytest.mark.parametrize("variant", ["qwen3_bias_window", "llama_bias_yarn", "llama_mlpbias_dynamic"])
 @torch.no_grad()
 def test_saved_qwen3_and_biased_llama_read_back_by_transformers(transformers, make_hf_model, tmp_path, variant):
-    """save_target writes q/k norms, o_proj and MLP biases and YaRN settings that transformers reads as it wrote them."""
+    """save_target writes q/k norms, o_proj and MLP biases and YaRN settings that transformers reads as it
+    wrote them."""
     model = make_hf_model(variant, seed=8)
     model.save_pretrained(tmp_path / "orig")
     target = load_target(tmp_path / "orig")
@@ -189,7 +191,8 @@ def test_a_saved_mistral_keeps_its_window_layout(transformers, make_hf_model, ed
     {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500.0,
      "rope_parameters": {"rope_type": "default", "rope_theta": 50.0}},  # rope_scaling wins over rope_parameters
 ])
-def test_rope_settings_given_twice_resolve_as_in_transformers(transformers, make_hf_model, edit_config, tmp_path, fields):
+def test_rope_settings_given_twice_resolve_as_in_transformers(transformers, make_hf_model, edit_config, tmp_path,
+                                                              fields):
     folder = tmp_path / "m"
     make_hf_model("llama").save_pretrained(folder)
     edit_config(folder, **{"rope_scaling": None, **fields})

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from helpers import compose
-from specpipe.app import run
+from specpipe.run import run
 from specpipe.models.eagle import EagleHead
-from specpipe.models.hf import load_draft, load_target, save_eagle
+from specpipe.models.hf.load import load_draft, load_target
+from specpipe.models.hf.save import save_eagle
 
 MAX_NEW = 12
 
@@ -61,7 +62,8 @@ def test_eagle_decode_equals_transformers_generate(make_hf_model, edit_config, t
 
 
 def test_sampling_from_the_models_generation_config(make_hf_model, edit_config, tmp_path):
-    from specpipe.models.hf import CheckpointError, generation_sampling
+    from specpipe.models.hf.errors import CheckpointError
+    from specpipe.models.hf.generation import generation_sampling
 
     folder = tmp_path / "target"
     make_hf_model("qwen3_bias_window", seed=14).save_pretrained(folder)
@@ -110,7 +112,8 @@ def test_repetition_penalty_equals_transformers_generate(make_hf_model, edit_con
     """HF's repetition penalty, greedy: each verified tree node is penalized for its own context (prompt,
     output, and the drafts on its path), so every drafter commits what generate(repetition_penalty=) gives;
     per prompt too, next to prompts without one."""
-    model = (make_hf_model("llama_bias_yarn", seed=11) if draft == "eagle" else make_hf_model("llama", seed=16)).double()
+    model = (make_hf_model("llama_bias_yarn", seed=11) if draft == "eagle"
+             else make_hf_model("llama", seed=16)).double()
     folder = tmp_path / "target"
     model.save_pretrained(folder)
     edit_config(folder, specpipe_tokenizer={"type": "byte", "vocab_size": 300, "eos_token_id": 299})
@@ -207,7 +210,8 @@ def test_a_standalone_draft_padded_to_another_vocab_size(make_hf_model, edit_con
     prompts.write_text("".join(json.dumps({"prompt_ids": [7 * i + j for j in range(5)]}) + "\n" for i in range(3)))
 
     def decode(target, *extra):
-        return run(compose("model=hf", f"model.path={target}", "device.dtype=float64", f"workload.prompts_file={prompts}",
+        return run(compose("model=hf", f"model.path={target}", "device.dtype=float64",
+                           f"workload.prompts_file={prompts}",
                            f"workload.max_new_tokens={MAX_NEW}", "workload.ignore_eos=true", *extra), quiet=True)
 
     # a draft whose 16 extra ids would win; a target whose 16 extra ids the smaller draft cannot propose
@@ -250,7 +254,8 @@ def test_a_standalone_draft_of_another_tokenizer_or_an_eagle_head_is_refused_by_
                            f"workload.prompts_file={prompts}", *extra), quiet=True)
 
     from specpipe.errors import ConfigError
-    from specpipe.models.hf import CheckpointError, load_hf
+    from specpipe.models.hf.errors import CheckpointError
+    from specpipe.models.hf.load import load_hf
 
     with pytest.raises(ConfigError, match=r"standalone draft's tokenizer.json numbers tokens otherwise than the "
                                           r"target's \(256 of its 256 tokens differ"):
@@ -260,8 +265,8 @@ def test_a_standalone_draft_of_another_tokenizer_or_an_eagle_head_is_refused_by_
     assert out["metrics"]["num_errors"] == 0, out["metrics"]["request_errors"]
     head = tmp_path / "head"
     save_eagle(random_head(load_hf(target).target, 33), head, dtype="float32")
-    with pytest.raises(CheckpointError, match=r"an EAGLE draft head .*, not a whole model; give its folder as draft.path "
-                                              r"with draft=eagle"):
+    with pytest.raises(CheckpointError, match=r"an EAGLE draft head .*, not a whole model; give its folder "
+                                              r"as draft.path with draft=eagle"):
         decode("draft=standalone", f"draft.path={head}")
     with pytest.raises(CheckpointError, match=r"a whole causal LM \(2 decoder layers, no EAGLE 'fc' projection\), not "
                                               r"an EAGLE head; .*use draft=standalone"):
@@ -272,8 +277,8 @@ def test_an_eagle1_head_with_q_k_v_biases_loads_them(make_hf_model, tmp_path):
     """EAGLE-1 heads for Qwen2 targets say `"qkv_bias": true` under a Llama architecture (SafeAILab's cnets1:
     q/k/v biases, no o bias); they were refused for an unexpected q_proj.bias. A head whose config does not say
     so but whose tensors carry the biases loads them too; one that says so without them names the missing one."""
-    from specpipe.models.hf import CheckpointError
-    from specpipe.models.hf_save import _write, config_to_hf, unfused
+    from specpipe.models.hf.errors import CheckpointError
+    from specpipe.models.hf.save import _write, config_to_hf, unfused
 
     model = make_hf_model("llama", seed=3).double()
     model.save_pretrained(tmp_path / "target")

@@ -11,10 +11,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specpipe.models.eagle import EagleHead
-from specpipe.models.hf import (CheckpointError, load_draft, load_hf, load_target, load_tiny, parse_config, save_eagle,
-                                save_target)
+from specpipe.models.hf.config import parse_config
+from specpipe.models.hf.errors import CheckpointError
+from specpipe.models.hf.load import load_draft, load_hf, load_target, load_tiny
+from specpipe.models.hf.save import save_eagle, save_target
 from specpipe.models.random_tiny import build_random_tiny
-from specpipe.tokenizer import ByteTokenizer, HFTokenizer
+from specpipe.workload.tokenizer import ByteTokenizer, HFTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +379,7 @@ def test_the_eos_ids_hf_generate_stops_at(target_copy, edit_config):
     """generation_config.json's ids where it names some (HF generate reads only them then), else config.json's."""
     import json
 
-    from specpipe.tokenizer import stop_token_ids
+    from specpipe.workload.tokenizer import stop_token_ids
 
     edit_config(target_copy, specpipe_tokenizer=None, eos_token_id=[4, 6])
     bos_wordlevel_tokenizer(target_copy / "tokenizer.json")

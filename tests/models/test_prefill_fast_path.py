@@ -70,7 +70,8 @@ def test_a_fresh_dense_prefill_never_builds_the_mask():
     assert batch.mask is None
     mask = extend_batch(table, torch.arange(3), torch.zeros_like(lens), lens, 12, 16).attend_mask()
     q, k = torch.arange(12), torch.arange(16)
-    want = (k[None, None] <= q[None, :, None]) & (k[None, None] < lens[:, None, None]) & (q[None, :, None] < lens[:, None, None])
+    want = ((k[None, None] <= q[None, :, None]) & (k[None, None] < lens[:, None, None])
+            & (q[None, :, None] < lens[:, None, None]))
     assert torch.equal(mask, want)
 
 

@@ -11,16 +11,16 @@ BASE = ["model=random_tiny", "device.dtype=float64", "workload.num_prompts=5", "
 
 def counted(monkeypatch, cfg):
     """Run `cfg`; returns (outputs, metrics, rounds run step by step, whether the rounds ran as one call)."""
-    from specpipe import proposers
+    from specpipe.drafters import eagle
 
     calls = [0]
-    step_by_step = proposers.EagleProposer.step_by_step
+    step_by_step = eagle.EagleProposer.step_by_step
 
     def counting(self, *a):
         calls[0] += 1
         return step_by_step(self, *a)
 
-    monkeypatch.setattr(proposers.EagleProposer, "step_by_step", counting)
+    monkeypatch.setattr(eagle.EagleProposer, "step_by_step", counting)
     seen = run_watched(monkeypatch, cfg)
     return [r.output_ids for r in seen["requests"]], seen["metrics"], calls[0], seen["pipe"].proposer.one_call
 
@@ -50,7 +50,7 @@ def test_the_loop_body_equals_the_step_by_step_round():
     import torch
 
     from specpipe.models.random_tiny import build_random_tiny
-    from specpipe.proposers import EagleProposer
+    from specpipe.drafters.eagle import EagleProposer
     from specpipe.stages.draft_scratch import FlatScratch
 
     torch.manual_seed(0)
@@ -96,7 +96,7 @@ def test_the_loop_body_copies_each_parents_columns_in_page_aligned_regions(monke
     import torch
 
     from specpipe.models.random_tiny import build_random_tiny
-    from specpipe.proposers import EagleProposer
+    from specpipe.drafters.eagle import EagleProposer
     from specpipe.stages.draft_scratch import BranchRegions
 
     torch.manual_seed(0)
@@ -183,8 +183,8 @@ def test_every_tree_shape_keeps_its_own_graphs():
     shapes: no limit hit, each shape's tokens as eager, and a repeated shape compiles nothing new."""
     import torch._dynamo.config as dynamo_config
 
-    from specpipe.app import run
-    from specpipe.metrics import recompile_count
+    from specpipe.run import run
+    from specpipe.decode.metrics import recompile_count
 
     policy = [f"compile.draft_loop.steps={AOT}", f"compile.verify.round={AOT}"]
     shapes = [["draft.topk=1", f"draft.num_steps={s}", f"draft.num_draft_tokens={s + 1}"] for s in (2, 3, 5)]

@@ -94,7 +94,7 @@ def test_mirror_and_follow_copy_each_branch_its_own_path():
 
 def trees(monkeypatch, cfg, pair, cls):
     """Run the pipeline and record every round's draft tree (tokens and parents)."""
-    from specpipe.app import run
+    from specpipe.run import run
 
     seen = []
     propose = cls.propose
@@ -120,7 +120,8 @@ def test_paged_draft_trees_equal_the_page_size_one_trees(drafter, ps, monkeypatc
     (what a page-table kernel would read) give the same draft as the ancestry mask over flat slots.
     The trained pair drafts with attention that matters: without the mirror or `follow` trees differ."""
     from helpers import compose
-    from specpipe.proposers import EagleProposer, StandaloneProposer
+    from specpipe.drafters.eagle import EagleProposer
+    from specpipe.drafters.standalone import StandaloneProposer
 
     cls = EagleProposer if drafter[0] == "draft=eagle" else StandaloneProposer
     path = prompts_file(["d", "def f(x):\n   ", "class Stack:\n    def __init__(self):\n        ",
@@ -139,7 +140,7 @@ def test_paged_draft_trees_equal_the_page_size_one_trees(drafter, ps, monkeypatc
 
 @pytest.fixture(scope="module")
 def tiny_pair():
-    from specpipe.models.hf import load_tiny
+    from specpipe.models.hf.load import load_tiny
 
     return load_tiny(dtype="float64")
 

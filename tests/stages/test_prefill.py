@@ -17,7 +17,8 @@ def outputs(monkeypatch, cfg, pair=None):
 def test_a_compiled_prefill_decodes_like_the_eager_one(draft, monkeypatch):
     """Batch 1: every admission is one padded prompt of a new length (T symbolic: no graph per length)."""
     eager, _ = outputs(monkeypatch, compose("model=random_tiny", *BASE, draft))
-    got, seen = outputs(monkeypatch, compose("model=random_tiny", *BASE, draft, f"compile.prefill.target_forward={AOT}"))
+    got, seen = outputs(monkeypatch,
+                        compose("model=random_tiny", *BASE, draft, f"compile.prefill.target_forward={AOT}"))
     assert got == eager
     assert "target_forward" in seen["pipe"].prefill.wrapped and seen["metrics"]["recompile_limit_hits"] == 0
     lengths = {len(r.prompt_ids) for r in seen["requests"]}

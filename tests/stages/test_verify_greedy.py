@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import ancestors
-from specpipe.metrics import Metrics
-from specpipe.pipeline import Pipeline, Request, stop_set
+from specpipe.decode.metrics import Metrics
+from specpipe.decode.pipeline import Pipeline
+from specpipe.decode.request import Request, stop_set
 from specpipe.stages.verify import Verify
 
 # root(10) -> local1 (11), local2 (12); local3 (13) is a child of local2; local4 (14) unlinked

@@ -11,8 +11,9 @@ BASE = ["model=random_tiny", "device.dtype=float64", "workload.num_prompts=5", "
 
 
 def counted(monkeypatch, cfg):
-    """(outputs, metrics, rounds verified through the separate accept call, whether the pipeline verified in one call)."""
-    from specpipe.spec_pipeline import SpecPipeline
+    """(outputs, metrics, rounds verified through the separate accept call, whether the pipeline verified in
+    one call)."""
+    from specpipe.decode.speculative import SpecPipeline
 
     calls = [0]
     accept = SpecPipeline.accept
@@ -22,7 +23,7 @@ def counted(monkeypatch, cfg):
         return accept(self, *a)
 
     monkeypatch.setattr(SpecPipeline, "accept", counting)
-    from specpipe.proposers import EagleProposer
+    from specpipe.drafters.eagle import EagleProposer
 
     after = EagleProposer.after_verify
 
@@ -70,7 +71,7 @@ def test_runs_that_cannot_verify_in_one_call_say_so_and_decode_as_before(why, ex
 
 
 def test_draft_none_has_no_round_to_verify(capsys):
-    from specpipe.app import run
+    from specpipe.run import run
 
     m = run(compose(*BASE, "draft=none", "compile.verify.round=compile"), quiet=True)["metrics"]
     assert m["unapplied_compile_policies"] == ["compile.verify.round=compile"]

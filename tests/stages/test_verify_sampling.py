@@ -313,7 +313,8 @@ def test_top_k_then_top_p_matches_brute_force_and_each_row_keeps_its_own_way(cas
     logits = (torch.randn(4, 2, V, generator=g) * 3).to(torch.bfloat16).float()  # few distinct values: ties
     T = torch.tensor([1.0, 0.8, 1.2, 0.9])
     P = torch.rand(4, generator=g) * 0.9 + 0.05
-    K = torch.tensor([int(torch.randint(1, 60, (1,), generator=g)), 0, 5, int(torch.randint(1, 3000, (1,), generator=g))])
+    K = torch.tensor([int(torch.randint(1, 60, (1,), generator=g)), 0, 5,
+                      int(torch.randint(1, 3000, (1,), generator=g))])
     out = process_logits(logits, T, P, K)
     for b in range(4):
         probs = torch.softmax(logits[b] / T[b], -1)

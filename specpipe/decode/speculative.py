@@ -1,0 +1,166 @@
+"""One speculative round per step: propose a tree, verify it with one target forward, commit.
+
+Carried per running request (device tensors, request-major): last_token [B], the last committed
+token (its KV is not in the target cache yet; position L_b), plus whatever the proposer keeps.
+The step has one host sync: reading the committed tokens to check stop conditions.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specpipe.decode.pipeline import Pipeline
+from specpipe.stages.draft_scratch import scratch_tokens_per_request
+from specpipe.stages.padding import bucket
+from specpipe.stages.prepare_decode import OutOfKVMemory
+from specpipe.stages.verify import Verify, commit_moves, round_stats, tree_batch
+from specpipe.stages.verify_sampling import VerifySampling
+
+
+class SpecPipeline(Pipeline):
+    def __init__(self, target, proposer, allocator, device, max_requests, max_context, eos_token_id, metrics,
+                 num_steps: int, num_draft_tokens: int, wrap, sampling=None):
+        super().__init__(target, allocator, device, max_requests, max_context, eos_token_id, metrics, sampling)
+        self.S, self.N = num_steps, num_draft_tokens
+        self.growth = num_draft_tokens
+        self.proposer = proposer
+        self.fused_verify = False  # rounds verify through one `verify.round` call (app.build_pipeline decides)
+        # the draft flags verify.round reads for drafters that raise none (n-gram, suffix): sliced, never allocated
+        # per round
+        self.no_draft_flags = torch.zeros(max_requests, dtype=torch.bool, device=self.dev)
+        self.feature_layers = getattr(proposer, "feature_layers", None)
+        self.verify = Verify(target, num_steps, self.feature_layers)
+        self.verify_sampling = VerifySampling(num_steps)
+        self.prefill.feature_layers = self.feature_layers
+        self.stages = [*proposer.stages, self.verify, self.verify_sampling, self.prefill, self.prep]
+        for st in self.stages:
+            st.bind(wrap)
+
+    def join(self, reqs, pf, first) -> None:
+        self.proposer.join(self, reqs, pf, first)
+        super().join(reqs, pf, first)
+
+    def keep(self, keep_t) -> None:
+        super().keep(keep_t)
+        self.proposer.keep(keep_t)
+
+    def drop_finished(self) -> list:
+        done = super().drop_finished()
+        if done:
+            self.proposer.finish(done)
+        return done
+
+    def scratch_tokens(self, batch_size):
+        per_request = scratch_tokens_per_request(self.prep.ps, self.proposer.K, self.proposer.scratch_width)
+        return batch_size * per_request
+
+    def tree_slots(self, rows_t, L, L_t) -> tuple[Tensor, Tensor]:
+        """The tree's slots (node j at table position L_b + j) [B, N] and the table columns the verify reads [B, Lv]."""
+        return (self.prep.slots(rows_t, L_t, self.N),
+                self.prep.slots(rows_t, torch.zeros_like(L_t), bucket(L.max() + self.N)))
+
+    def verify_round_problem(self) -> str:
+        """Why greedy rounds cannot verify through one `verify.round` call in this run ('' when they can)."""
+        if not self.sampling.greedy:
+            return "some request samples (verify_sampling runs those rounds)"
+        if self.sampling.penalized:
+            return "a repetition penalty changes each tree node's logits first"
+        if self.logprobs:
+            return "workload.logprobs reads the raw logits"
+        return self.prep.batch_view_problem()
+
+    def accept(self, logits, tree, draft_probs, L_t):
+        """Greedy acceptance, or lossless sampling (rejection sampling for sampled chains, else target-only);
+        with a repetition penalty, each node's logits are penalized for its own context (prompt, output, path)."""
+        logits = self.sampling.penalize_tree(logits, tree.tokens, tree.mask)
+        if self.sampling.greedy:
+            return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)
+        s = self.sampling
+        probs = self.verify_sampling.probs(logits, s.temperature, s.top_p, s.top_k, s.min_p, s.filters)
+        if draft_probs is not None:
+            return self.verify_sampling.sample_rejection(probs, draft_probs, tree.tokens, tree.parent, s.seed, L_t)
+        return self.verify_sampling.sample(probs, tree.tokens, tree.parent, s.seed, L_t)
+
+    def round_stats(self, tree, accept_index, logits, in_place):
+        """`stages.verify.round_stats` with the proposer's non-finite draft flags."""
+        return round_stats(tree.parent, accept_index, logits, in_place, self.proposer.bad)
+
+    @torch.no_grad()
+    def step(self) -> list:
+        """One speculative round; returns requests retracted for lack of KV (to re-queue)."""
+        retracted = self.make_room()
+        if not self.reqs:
+            return retracted
+        B, S, N = len(self.reqs), self.S, self.N
+        m = self.metrics
+        rows_t = torch.from_numpy(self.rows).to(self.dev)
+        L = self.prep.seq_len[self.rows].copy()
+        L_t = torch.from_numpy(L).to(self.dev)
+        if self.sampling.penalized:  # contexts hold the cached tokens and the root (drafts are path tokens)
+            self.sampling.limit(int(L.max()) + 1)
+        with m.stage("draft"):
+            tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
+        fused = self.fused_verify
+        with m.stage("prepare_decode"):
+            if not self.prep.reserve(self.rows, np.full(B, N, dtype=np.int64)):
+                raise OutOfKVMemory("KV pool exhausted before verify")
+            vslots, kv_slots = self.tree_slots(rows_t, L, L_t)
+        with m.stage("verify"):
+            if fused:
+                bad = self.proposer.bad if self.proposer.bad is not None else self.no_draft_flags[:B]
+                vhidden, accept_index, count, commit, src, tgt, ints, *next_start = self.verify.round(
+                    tree.tokens, tree.positions, tree.mask, tree.parent, tree.depth, vslots, kv_slots, L_t, bad,
+                    self.prep.table[rows_t] if self.verify.draft is not None else vslots)
+                raw = None
+            else:
+                vbatch = self.prep.decorate(tree_batch(tree.positions, tree.mask, tree.depth, vslots, kv_slots, L_t))
+                logits, vhidden = self.verify.target_forward(tree.tokens, vbatch)
+                raw = self.raw_logits(logits)
+                accept_index, count, commit = self.accept(logits, tree, draft_probs, L_t)
+                self.sampling.note(commit, count)
+        with m.stage("commit"):
+            d = torch.arange(S + 1, device=self.dev)
+            if not fused:
+                src, tgt, in_place = commit_moves(vslots, accept_index, count)
+                ints = torch.cat([count[:, None], commit, self.round_stats(tree, accept_index, logits, in_place)], 1)
+            host, lps = self.read_back(ints,  # the one host sync of the step
+                                       self.token_logprobs(raw, commit, accept_index.clamp(min=0)))
+            kept = np.asarray([self.commit_request(r, h, None if lps is None else lps[i])
+                               for i, (r, h) in enumerate(zip(self.reqs, host))])
+            m.record_round([h[0] for h in host], [h[S + 2: 2 * S + 2] for h in host], [h[-3] for h in host])
+            kept_t = torch.from_numpy(kept).to(self.dev)
+            if not all(h[-2] for h in host):  # (kept <= count + 1: a request stopped early keeps fewer)
+                # entries that need no move copy a slot onto itself, so the copy has a fixed size (no
+                # boolean indexing, which would read the mask back to the host on an accelerator)
+                move = (d[None, :] < kept_t[:, None]) & (src != tgt)
+                self.prep.move_kv(self.target.kv, torch.where(move, tgt, src).reshape(-1), src.reshape(-1))
+            unfinished = np.asarray([not r.finished for r in self.reqs])
+            self.prep.commit(self.rows[unfinished], (L + kept)[unfinished])
+            self.prep.after_commit(self.rows[unfinished])
+        with m.stage("draft_extend"):
+            old_last = self.last_token
+            counts = np.asarray([h[0] for h in host], dtype=np.int64)
+            if fused and next_start[0] is not None and np.array_equal(kept[unfinished], counts[unfinished] + 1):
+                # verify.round already ran the head's extend as if every request kept count + 1 tokens: those that
+                # go on did (the others leave the batch in drop_finished)
+                self.proposer.topk_p, self.proposer.topk_index, self.proposer.draft_hidden, self.last_token = next_start
+            elif unfinished.any():
+                u = torch.from_numpy(np.flatnonzero(unfinished)).to(self.dev)
+                self.proposer.after_verify(self, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
+                self.last_token = old_last.clone()
+                self.last_token[u] = commit[u].gather(1, (kept_t[u] - 1)[:, None])[:, 0]
+        self.drop_finished()
+        m.num_verify_steps += 1
+        return retracted
+
+    def commit_request(self, req, h: list, logprobs: Optional[list] = None) -> int:
+        """Host side of one request's round: h = [count, commit (S+1), ranks (S), linked, in place, status]; logprobs:
+        the raw target log-probability of each committed token (workload.logprobs)."""
+        if h[-1] != 1:
+            who = "target" if h[-1] == 0 else "draft"
+            self.fail(req, f"the {who}'s logits contained NaN or inf; this request was stopped")
+            return 0
+        return self.append_tokens(req, h[1: h[0] + 2], logprobs)

@@ -1,0 +1,153 @@
+"""draft=eagle: an EAGLE head drafts a tree from the target's hidden states (EAGLE-1/2 heads, and EAGLE-3 heads,
+which read several of the target's layers: `feature_layers`)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from specpipe.config.schema import EagleDraftConf
+from specpipe.drafters.base import DraftSetup, Proposer, non_finite
+from specpipe.errors import ConfigError
+from specpipe.models.attention_batch import extend_batch
+from specpipe.models.cache import no_head_message
+from specpipe.stages.build_tree import BuildTree, Tree
+from specpipe.stages.draft_forward import advance_visibility, DraftForward
+from specpipe.stages.draft_loop import DraftLoop
+from specpipe.stages.draft_topk import DraftTopK
+from specpipe.stages.padding import bucket
+from specpipe.stages.prepare_decode import OutOfKVMemory
+
+
+class EagleProposer(Proposer):
+    """An EAGLE head (EAGLE-1/2, or EAGLE-3 reading several target layers): tree drafting from the target's hidden
+    states, its KV in a pool indexed by the target's slots."""
+
+    @classmethod
+    def build(cls, cfg, pair, setup: DraftSetup) -> "EagleProposer":
+        d = cfg.draft
+        if pair.draft is None:  # (`models.cache.check_draft_model` says so before anything is built; a direct call too)
+            raise ConfigError(no_head_message(pair, EagleDraftConf.label(d)))
+        return cls(pair.draft, d.topk, d.num_steps, d.num_draft_tokens, fused_topk=bool(cfg.compile.draft_topk.fused))
+
+    def __init__(self, head, topk: int, num_steps: int, num_draft_tokens: int, fused_topk: bool = False):
+        self.head = head
+        self.K, self.S, self.N = topk, num_steps, num_draft_tokens
+        self.topk_stage = DraftTopK(topk, fused_topk)
+        self.tree_stage = BuildTree(topk, num_steps, num_draft_tokens)
+        self.draft_fwd = DraftForward(head, topk)
+        self.loop = DraftLoop(self.draft_fwd, self.topk_stage, self.tree_stage, num_steps)
+        self.stages = [self.topk_stage, self.tree_stage, self.draft_fwd, self.loop]
+        self.one_call = False  # the round's steps run as one `draft_loop.steps` call (see plan_rounds)
+        self.bad = None  # [B] draft logits non-finite this round
+        self.feature_layers = getattr(head, "aux_layers", None)  # EAGLE-3 reads several target layers
+        self.topk_p = self.topk_index = self.draft_hidden = None
+        self.windowed = any(getattr(m, "window", None) is not None for m in head.modules())  # banded prefill
+        self._decode_fn = None  # see _decode
+
+    def join(self, pipe, reqs, pf, first) -> None:
+        """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p); packed (no padding)
+        when the target's prefill ran packed."""
+        ids = pf.ids
+        ids_d = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1).scatter(1, pf.last[:, None], first[:, None])
+        # packed, the prompts are segments of one row while `pf.ends` has one entry per prompt; a compiled or
+        # graphed extend takes the padded form, whose inputs all have one row per prompt (one batch size). A head
+        # with sliding-window layers prefills eagerly: its banded attention loops over the prompt's length, which
+        # a compiled extend specialized (a recompile for every new prompt length, then eager past the limit)
+        extend, compiled = self.draft_fwd.extend, "extend" in getattr(self.draft_fwd, "wrapped", ())
+        if compiled and self.windowed:
+            extend, compiled = partial(type(self.draft_fwd).extend, self.draft_fwd), False
+        if pf.packed_for(self.head) and not compiled:
+            p, idx, h = extend(ids_d.reshape(1, -1)[:, pf.flat], pf.packed_hidden, pf.packed, pf.ends)
+        else:
+            p, idx, h = extend(ids_d, pf.hidden, pf.batch, pf.last)
+        if self.topk_p is None or self.topk_p.shape[0] == 0:
+            self.topk_p, self.topk_index, self.draft_hidden = p, idx, h
+        else:
+            self.topk_p = torch.cat([self.topk_p, p])
+            self.topk_index = torch.cat([self.topk_index, idx])
+            self.draft_hidden = torch.cat([self.draft_hidden, h])
+
+    def keep(self, keep_t) -> None:
+        self.topk_p, self.topk_index = self.topk_p[keep_t], self.topk_index[keep_t]
+        self.draft_hidden = self.draft_hidden[keep_t]
+
+    @property
+    def scratch_width(self) -> int:
+        return EagleDraftConf.scratch_columns(self.S)
+
+    @property
+    def round_extend(self):
+        """A fused `verify.round` runs the head's extend over the committed tokens inside its call."""
+        return self.draft_fwd
+
+    def _decode(self):
+        """The draft decode the rounds call, resolved once after the stage's branches were bound (compiled or eager
+        as the policy says, a sliding-window head's too)."""
+        if self._decode_fn is None:
+            fwd = self.draft_fwd
+            self._decode_fn = fwd.decode
+        return self._decode_fn
+
+    def plan_rounds(self, prep) -> str:
+        """Whether the rounds' steps run as one `draft_loop.steps` call: when its policy wrapped it and the
+        allocator's attention batches need no host-side views (either scratch layout runs inside it). Returns why
+        not when the policy asked for it and the allocator cannot ('' otherwise)."""
+        asked = "steps" in getattr(self.loop, "wrapped", ())
+        why = prep.batch_view_problem()
+        self.one_call = asked and not why
+        self.loop.prep, self.loop.kv = prep, self.head.kv
+        return why if asked else ""
+
+    def plan(self, cfg, prep, allocator_name: str):
+        why = self.plan_rounds(prep)
+        if not why:
+            return None
+        return (f"compile.draft_loop.steps={cfg.compile.draft_loop.steps}",
+                f"the draft steps run one call each with allocator={allocator_name}, since {why}; "
+                "compile.draft_forward.decode and compile.draft_topk.* set how those calls run")
+
+    def propose(self, pipe, rows_t, L, L_t):
+        B, prep, kv = len(pipe.reqs), pipe.prep, self.head.kv
+        sc = prep.draft_scratch(pipe.rows, rows_t, L, L_t, self.K, self.S - 1)
+        if sc is None:
+            raise OutOfKVMemory("KV pool exhausted while drafting")
+        if self.one_call:  # batches need no host-side decoration: the round's steps are one tensor function
+            sc.begin(prep, kv)  # (page-aligned regions: the mirror of the prefix's partial page, sized on the host)
+            self.loop.layout, self.loop.first = type(sc), sc.first  # the layout draft_scratch chose (not re-derived)
+            tree, self.bad = self.loop.steps(self.topk_p, self.topk_index, self.draft_hidden, pipe.last_token, L_t,
+                                             *sc.tensors())
+            prep.end_scratch(sc.state)
+            return Tree(*tree), None
+        blocks = self.step_by_step(prep, kv, sc, B)
+        prep.end_scratch(sc.state)
+        s_l, t_l, p_l = (list(x) for x in zip(*blocks))
+        self.bad = non_finite(s_l, B)
+        return self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t), None
+
+    def step_by_step(self, prep, kv, sc, B: int) -> list:
+        """The round's tree steps, one call per draft forward and top-k, each under its own policy."""
+        K, S = self.K, self.S
+        sc.begin(prep, kv)
+        anc = torch.zeros((B, K, (S - 1) * K), dtype=torch.bool, device=prep.device)
+        decode = self._decode()
+        ids, hid, scores, pb, blk = self.topk_stage(0, self.topk_p, self.topk_index, self.draft_hidden, None)
+        blocks = [blk]
+        for i in range(S - 1):
+            anc = advance_visibility(anc, pb, i)
+            sc.follow(prep, kv, pb, i)
+            batch = prep.decorate(sc.step_batch(i, anc))
+            tp, ti, hout = decode(ids.view(B, K), hid.view(B, K, -1), batch)
+            ids, hid, scores, pb, blk = self.topk_stage(i + 1, tp, ti, hout, scores)
+            blocks.append(blk)
+        return blocks
+
+    def after_verify(self, pipe, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last) -> None:
+        """Draft over the committed tokens so the next round starts from the new bonus token."""
+        H = vhidden.shape[-1]
+        hid = vhidden.gather(1, accept_index.clamp(min=0)[:, :, None].expand(-1, -1, H))[u]  # [B', S+1, H]
+        ids, lens, starts = commit[u], kept_t[u], L_t[u]
+        Lmax = int(pipe.prep.seq_len[pipe.rows].max())  # host lengths, already committed: no device read
+        batch = pipe.prep.decorate(extend_batch(pipe.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax)))
+        p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
+        self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h
