@@ -1,10 +1,14 @@
-# specpipe: `make run` sets up .venv and decodes with the embedded default; `make test` runs the suite.
+# specpipe: `make run` sets up .venv and decodes with the embedded default; `make test` runs the suite;
+# `make test-extras` runs the tests of the optional sweep plugins (Optuna, Ray) in .venv-extras.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+EXTRAS_VENV ?= .venv-extras
+EXTRAS_PY := $(EXTRAS_VENV)/bin/python
+EXTRAS_STAMP := $(EXTRAS_VENV)/.installed
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/inductor-cache
 
-.PHONY: run test train-tiny real-model bench clean
+.PHONY: run test test-extras train-tiny real-model bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +27,17 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check specpipe tests scripts
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the optional plugins need a venv of their own: hydra-ray-launcher wants cloudpickle<3, joblib 1.6 (.venv) >=3
+$(EXTRAS_STAMP): requirements.txt requirements-extras.txt pyproject.toml
+	test -x $(EXTRAS_PY) || python3 -m venv $(EXTRAS_VENV)
+	$(EXTRAS_PY) -m pip install -q --disable-pip-version-check -r requirements-extras.txt
+	$(EXTRAS_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(EXTRAS_STAMP)
+
+# the tests marked `extras` (make test deselects them), one process: Ray takes two cores of its own
+test-extras: $(EXTRAS_STAMP)
+	$(EXTRAS_PY) -m pytest -m extras $(EXTRAS_PYTEST_ARGS)
 
 train-tiny: $(STAMP)
 	$(PY) scripts/train_tiny.py $(ARGS)

@@ -4,7 +4,7 @@ Loads the shipped byte-level target (specpipe/assets/tiny/target, bf16 on disk, 
 HF transformers (LlamaForCausalLM.from_pretrained) and in specpipe, and decodes the held-out prompts
 with every method below. tokens/s = generated tokens (each prompt's output up to and including EOS,
 at most --max-new) / wall seconds around the whole call (HF: the generate() loop over the prompts,
-input tensors included; specpipe: app.run() with the pair already loaded and the config composed before the
+input tensors included; specpipe: run.run() with the pair already loaded and the config composed before the
 clock starts, as a SpecPipe(...) object composes it once and each generate() call reuses it; prompt loading,
 tokenizing, validation and KV setup included).
 

@@ -1,6 +1,7 @@
 """python -m specpipe [group=option ...] [key=value ...] [-m for sweeps]."""
 from __future__ import annotations
 
+import contextlib
 import shlex
 import signal
 import sys
@@ -20,6 +21,37 @@ RUNNING: dict = {}  # the in-process sweep's current job: num, dir, sweep_dir
 WRITTEN: dict = {}  # job folder -> the job of this process's sweep that wrote it
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a job scheduler's stop), raised where Ctrl-C raises KeyboardInterrupt, so that
+    it ends a run as Ctrl-C does: the finished requests kept and the resume command printed; exit 143 (128 + 15)
+    instead of 130. It left the partial file but said nothing."""
+
+
+@contextlib.contextmanager
+def sigterm_stops_as_ctrl_c():
+    """SIGTERM raises Terminated in the main thread while this block runs (the handler before it comes back
+    after: main() called from a program or a test leaves that program's handler in place)."""
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        raise Terminated()
+
+    # (a SIGTERM the parent process ignores stays ignored, as Python leaves an ignored SIGINT)
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
+
+
+def stopped(e: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped the run, said as its message begins, and the exit status: Ctrl-C 130, SIGTERM 143."""
+    return ("stopped by SIGTERM", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+
+
 def let_a_second_ctrl_c_kill() -> None:
     """Once a Ctrl-C is being handled, the next one ends the process at once, as SIGINT does by default. Raised as
     KeyboardInterrupt during the interpreter's shutdown instead, a quick second press printed "Exception ignored
@@ -28,8 +60,8 @@ def let_a_second_ctrl_c_kill() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def interrupted_sweep() -> str:
-    """One paragraph for Ctrl-C during a sweep: what stopped, what is kept, how to go on."""
+def interrupted_sweep(how: str = "interrupted") -> str:
+    """One paragraph for Ctrl-C (or SIGTERM: `how`) during a sweep: what stopped, what is kept, how to go on."""
     if RUNNING:
         where = f" in job {RUNNING['num']} ({RUNNING['dir']})"
         again = "resume=true " + shlex.quote(f"hydra.sweep.dir={RUNNING['sweep_dir']}")
@@ -40,7 +72,7 @@ def interrupted_sweep() -> str:
         where = f" ({folder})" if folder else ""
         again = "resume=true " + shlex.quote(f"hydra.sweep.dir={folder}") if folder else \
             "resume=true and hydra.sweep.dir set to this sweep's folder"
-    return (f"specpipe: sweep interrupted{where}; finished jobs keep their files (the interrupted one has no "
+    return (f"specpipe: sweep {how}{where}; finished jobs keep their files (the interrupted one has no "
             f"metrics.json); run the same command again with {again} to skip the finished jobs and go on (the "
             f"interrupted job keeps the requests it had finished)")
 
@@ -82,17 +114,18 @@ def folder_taken(hc, out_dir: str) -> bool:
     return True
 
 
-def interrupted_run(out_dir: str) -> str:
-    """One paragraph for Ctrl-C during a single run: where the finished requests are, and how to go on."""
+def interrupted_run(out_dir: str, how: str = "interrupted") -> str:
+    """One paragraph for Ctrl-C (or SIGTERM: `how`) during a single run: where the finished requests are, and how
+    to go on."""
     from specpipe.outputs.files import PartialCompletions
 
     partial = Path(out_dir) / PartialCompletions.NAME
     if partial.is_file():
-        return (f"specpipe: interrupted; the requests that had finished are in {partial} (in the order they "
+        return (f"specpipe: {how}; the requests that had finished are in {partial} (in the order they "
                 f"finished; no metrics.json was written). To decode only the others, run the same command with "
                 f"resume=true {shlex.quote('hydra.run.dir=' + str(out_dir))}")
     # stopped before decoding began (loading the model, reading the prompts)
-    return "specpipe: interrupted before decoding began; nothing was written"
+    return f"specpipe: {how} before decoding began; nothing was written"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -122,12 +155,13 @@ def hydra_main(cfg: DictConfig) -> float:
         clear_outputs(out_dir)
     try:
         result = run(cfg, out_dir=out_dir, overrides=overrides)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if multirun:  # Ctrl-C ends the whole sweep (finished jobs keep their files)
             raise
         let_a_second_ctrl_c_kill()
-        print(interrupted_run(out_dir), file=sys.stderr)
-        sys.exit(130)
+        how, status = stopped(e)
+        print(interrupted_run(out_dir, how), file=sys.stderr)
+        sys.exit(status)
     except SpecpipeError as e:
         msg = str(e) if str(e).startswith("specpipe:") else f"specpipe: {e}"  # every user error reads the same
         print(msg, file=sys.stderr)
@@ -155,6 +189,11 @@ def hydra_main(cfg: DictConfig) -> float:
 
 
 def main() -> None:
+    with sigterm_stops_as_ctrl_c():
+        run_main()
+
+
+def run_main() -> None:
     register_schemas()
     from specpipe.cli.argv import expand_globs, flags_first, split_args
     from specpipe.cli.precheck import precheck
@@ -174,11 +213,12 @@ def main() -> None:
             print(err, file=sys.stderr)
             sys.exit(2)
         hydra_main()
-    except KeyboardInterrupt:  # a single run handles its own; this is a sweep, or before any job ran
+    except KeyboardInterrupt as e:  # a single run handles its own; this is a sweep, or before any job ran
         let_a_second_ctrl_c_kill()
+        how, status = stopped(e)
         multirun = bool(RUNNING) or split_args(sys.argv[1:])[1]  # RUNNING: a job of a sweep preset had begun
-        print(interrupted_sweep() if multirun else "specpipe: interrupted", file=sys.stderr)
-        sys.exit(130)
+        print(interrupted_sweep(how) if multirun else f"specpipe: {how}", file=sys.stderr)
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from specpipe.errors import SpecpipeError
+from specpipe.workload.prompt_values import huge_int, nesting_problem
 from specpipe.workload.tokenizer import complete_end, decode_after, output_text, own_start, prompt_context
 
 
@@ -247,25 +248,6 @@ class Completion:
     logprobs: Optional[list] = None  # generate(logprobs=True): each output token's raw target log-probability
 
 
-HUGE_INT = 10 ** 30  # beyond every valid id, seed, count or limit; such values are not printed (4300-digit limit)
-
-
-def huge_int(v: Any, where: str) -> Optional[str]:
-    """The first place in `v` (a value, or lists / dicts of them) holding an integer beyond HUGE_INT, said with its
-    size (printing it raises ValueError past 4300 digits), or None."""
-    todo = [(v, where)]
-    while todo:
-        x, at = todo.pop()
-        if isinstance(x, numbers.Integral) and not isinstance(x, bool) and abs(int(x)) > HUGE_INT:
-            return f"{at} is an integer of about {int(abs(int(x)).bit_length() * 0.30103) + 1} digits"
-        if isinstance(x, dict):
-            todo.extend((val, f"{at}: field {k!r}" if at.startswith("prompt ") and ":" not in at else f"{at}[{k!r}]")
-                        for k, val in reversed(list(x.items())))
-        elif isinstance(x, (list, tuple)):
-            todo.extend((val, f"{at}[{i}]") for i, val in reversed(list(enumerate(x))))
-    return None
-
-
 def scalar(v: Any) -> Any:
     """A 0-d numpy array or torch tensor as its Python number (`tolist`); anything else as it is."""
     return v.tolist() if getattr(v, "ndim", None) == 0 and hasattr(v, "tolist") else v
@@ -285,6 +267,9 @@ def prompt_item(p: Any, n: int) -> dict:
     if isinstance(p, dict):  # numpy / torch values (arrays of ids, scalars) and tuples read as their lists
         p = {k: v.tolist() if hasattr(v, "tolist") and not isinstance(v, (str, bytes)) else
              list(v) if isinstance(v, tuple) else v for k, v in p.items()}
+    why = nesting_problem(p, f"prompt {n}")  # (a cycle made every walk below loop forever)
+    if why:
+        return {"error": why, "prompt": ""}
     where = huge_int(p, f"prompt {n}")
     if where:
         return {"error": f"{where}, beyond any valid value (token ids, seeds and counts fit in 64 bits)",
@@ -406,6 +391,9 @@ class SpecPipe:
         max_new_tokens, seed = scalar(max_new_tokens), scalar(seed)
         sampling = {k: scalar(v) for k, v in sampling.items()}
         for name, v in (("max_new_tokens", max_new_tokens), ("seed", seed), ("stop", stop), *sampling.items()):
+            why = nesting_problem(v, name)
+            if why:
+                raise SpecpipeError(f"specpipe: {why}")
             where = huge_int(v, name)
             if where:
                 raise SpecpipeError(f"specpipe: {where}, beyond any valid value (see help(SpecPipe.{method}))")

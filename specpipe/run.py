@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from specpipe.allocators.base import allocator_class, build_allocator
 from specpipe.config.build import build
-from specpipe.config.schema import SAMPLING_RULES, draft_schema, draft_schemas
+from specpipe.config.schema import SAMPLING_RULES, draft_schema
 from specpipe.config.validate import run_stop_strings, validate
 from specpipe.decode.metrics import Metrics, recompile_count, recompile_limit_hits
 from specpipe.decode.plain import PlainPipeline
@@ -91,23 +91,20 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
                    keep: Optional[dict] = None):
     """The decode pipeline over the drafter (plain decoding without one), its stages bound to the compile policies;
     the policies this run cannot apply are noted once (`pipe.unapplied_policies`)."""
-    d = cfg.draft
+    d, schema = cfg.draft, draft_schema(cfg.draft)
     wrap = make_wrap(cfg, device, metrics)
     # requests that never run (a prompt refused as too long) size nothing: one stray document cost gigabytes
     longest = max((len(r.prompt_ids) for r in reqs if not r.finished), default=1)
-    max_context = longest + cfg.workload.max_new_tokens + d.num_draft_tokens + d.topk * d.num_steps \
-        + 2 * allocator.page_size + 1
+    tree = d.num_draft_tokens + d.topk * d.num_steps if schema.speculates else 3  # (draft=none reads neither)
+    max_context = longest + cfg.workload.max_new_tokens + tree + 2 * allocator.page_size + 1
     max_requests = running_batch(cfg, reqs)
     eos = None if cfg.workload.get("ignore_eos") else stop_token_ids(pair.tokenizer)
     sp, sampled = cfg.sampling, any_sampled(cfg, reqs)
     sampling = SamplingState(sp.temperature, sp.top_p, sp.top_k, device.torch_device, greedy=not sampled,
                              repetition_penalty=sp.repetition_penalty, max_context=max_context, min_p=sp.min_p,
                              penalized=any(r.sampling is not None and r.sampling[3] != 1.0 for r in reqs))
-    schema = draft_schema(d)
-    if schema.drafts_with is None and d.get("path") is not None:
-        readers = " and ".join(f"draft={o}" for o, s in draft_schemas().items() if s.drafts_with)
-        log.info(f"specpipe: note: draft.path={d.path} is not read: draft={schema.label(d)} uses no draft model "
-                 f"({readers} do)")
+    for note in schema.unread_notes(d):  # draft.path without a draft model, draft=none's tree settings
+        log.info(note)
     proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
     if proposer is None:
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling, wrap)

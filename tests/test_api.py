@@ -58,6 +58,27 @@ def test_bad_overrides_raise_the_cli_message(overrides, fragment):
         SpecPipe("model=random_tiny", *overrides)
 
 
+@pytest.mark.parametrize("override", ["allocator._target_=specpipe.run.json.dumps",
+                                      "model._target_=specpipe.run.torch.load",
+                                      "allocator._target_=specpipe.allocators.swa.SWAAllocator",
+                                      "allocator._target_=specpipe.nonexistent.Foo"])
+def test_a_target_outside_the_schemas_is_refused_by_the_constructor(override):
+    """Issue #46: SpecPipe("allocator._target_=specpipe.app.json.dumps") was accepted, and generate() raised
+    Hydra's InstantiationException; now the constructor raises the CLI's message, before loading anything."""
+    key, value = override.split("=")
+    loads = MODEL_LOADS[0]
+    with pytest.raises(SpecpipeError, match=re.escape(f"{key}={value!r} is refused: a config builds only the class")):
+        SpecPipe("model=random_tiny", override)
+    assert MODEL_LOADS[0] == loads
+
+
+def test_a_target_changed_after_the_constructor_is_refused_by_generate():
+    sp = SpecPipe(*BASE, "draft=none")
+    sp.cfg.allocator._target_ = "specpipe.run.json.dumps"
+    with pytest.raises(SpecpipeError, match=re.escape("allocator._target_='specpipe.run.json.dumps' is refused")):
+        sp.generate(PROMPTS[:1])
+
+
 @pytest.mark.parametrize("override,key", [
     ("hydra.run.dir=/tmp/somewhere", "hydra.run.dir"), ("hydra.job.chdir=true", "hydra.job.chdir"),
     ("hydra/launcher=joblib", "hydra/launcher"), ("workload.prompts_file=-", "workload.prompts_file"),
@@ -721,7 +742,8 @@ def test_arrays_of_ids_nested_values_and_stream_limits():
         inner["m"] = {}
         inner = inner["m"]
     got = sp.generate([{"prompt": "a", "meta": deep}, "b"], max_new_tokens=2)
-    assert got[0].error == "prompt 0: nested too deeply to read" and got[1].error is None
+    assert got[0].error == ("prompt 0: field 'meta'[...]['m']['m'] is nested too deeply to read (more than 100 levels "
+                            "deep, the cap on a prompt's nesting); flatten it") and got[1].error is None
     with pytest.raises(SpecpipeError, match="max_new_tokens=1000000 leaves no room for a prompt"):
         sp.stream(["a"], max_new_tokens=10 ** 6)
 
@@ -824,3 +846,29 @@ def test_a_prompts_logprobs_or_ignore_eos_true_runs_where_the_run_does_the_same(
     off = SpecPipe(*BASE, "draft=none").generate(asks)
     assert "prompt 0: " in off[0].error and "workload.logprobs=true" in off[0].error
     assert "prompt 1: " in off[1].error and "workload.ignore_eos=true" in off[1].error
+
+
+def test_a_prompt_that_holds_itself_fails_alone_and_never_hangs():
+    """issue #46: a self-referencing prompt dict (d["metadata"] = d) hung generate(): each walk of its values
+    looped forever. It is that prompt's error now, and a `stop` argument that holds itself is refused by name."""
+    import threading
+
+    sp = SpecPipe("model=random_tiny", "draft=none")
+    d = {"prompt": "x"}
+    d["metadata"] = d
+    stop = ["a"]
+    stop.append(stop)
+    out = []
+
+    def calls():
+        out.append(sp.generate(["def f(x):", d], max_new_tokens=4))
+        with pytest.raises(SpecpipeError, match=r"^specpipe: stop\[1\] holds a value that contains it \(a cycle\)"):
+            sp.generate(["x"], stop=stop)
+        out.append("refused")
+    worker = threading.Thread(target=calls, daemon=True)  # (a hang fails the test instead of stopping the suite)
+    worker.start()
+    worker.join(120)
+    assert len(out) == 2, "generate() did not return"
+    ok, bad = out[0]
+    assert ok.error is None and len(ok.output_ids) == 4 and bad.finish_reason == "error"
+    assert bad.error.startswith("prompt 1: field 'metadata'['metadata'] holds a value that contains it (a cycle)")

@@ -40,7 +40,8 @@ def usage(argv: Optional[list] = None) -> str:
         "  python -m specpipe model=hf model.path=DIR draft.path=HEAD_DIR workload.prompts_file=prompts.jsonl",
         "  python -m specpipe -m draft.topk=1,4,8 allocator=token,paged",
         "",
-        "README.md documents every option and metric. Hydra's own help: python -m specpipe --hydra-help",
+        "docs/configuration.md documents every option, docs/outputs.md every metric. Hydra's own help: "
+        "python -m specpipe --hydra-help",
     ])
 
 

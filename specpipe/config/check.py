@@ -250,6 +250,7 @@ class OverrideCheck:
 
     def points_problem(self) -> Optional[str]:
         """Every point of the sweep (or the one run) composes, and a run's config validates."""
+        from specpipe.config.build import target_problems
         from specpipe.config.validate import validate
         from specpipe.errors import ConfigError
 
@@ -272,6 +273,9 @@ class OverrideCheck:
                 cfg = compose_config(combo + hydra_own, self.config_name, config_dir=self.config_dir)
             except Exception as e:
                 return self.preset_problem(e, from_preset) or explain(e, combo, self.dirs)
+            refused = target_problems(cfg, "") if self.multirun else []  # a job's own checks come later; not these
+            if refused:
+                return str(ConfigError(refused))
             if not self.multirun and not self.prints:
                 try:
                     validate(cfg)

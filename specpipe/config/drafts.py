@@ -30,6 +30,10 @@ class DraftConf:
 
     speculates: ClassVar[bool] = True  # False: plain decoding, one token per step (draft=none)
     drafts_with: ClassVar[Optional[str]] = None  # DRAFT_HEAD, DRAFT_MODEL, or None (no model: draft.path unread)
+    # settings of this schema the drafter never reads, and why: a run notes those set away from their default
+    # (draft.path is unread too where drafts_with is None). Their ranges are still checked, as every schema's are
+    unread: ClassVar[tuple[str, ...]] = ()
+    unread_because: ClassVar[str] = ""
 
     @staticmethod
     def scratch_columns(num_steps: int) -> int:
@@ -45,6 +49,24 @@ class DraftConf:
     def label(cls, d) -> str:
         """The drafter as messages and the summary name it (draft=<label>) for the settings `d`."""
         return cls.option()
+
+    @classmethod
+    def unread_notes(cls, d) -> list[str]:
+        """A note for the settings `d` gives that this drafter never reads (they change nothing, so a run says so,
+        rather than ignore them silently): draft.path without a draft model, and the schema's `unread` keys set
+        away from its defaults."""
+        notes, label, shipped = [], cls.label(d), draft_schemas()
+        if cls.drafts_with is None and d.get("path") is not None:
+            readers = " and ".join(f"draft={o}" for o, s in shipped.items() if s.drafts_with)
+            notes.append(f"specpipe: note: draft.path={d.path} is not read: draft={label} uses no draft model "
+                         f"({readers} do)")
+        given = [k for k in cls.unread if k != "path" and d.get(k) != getattr(cls, k, None)]
+        if given:
+            readers = ",".join(o for o, s in shipped.items() if not set(given) & set(s.unread))
+            notes.append(f"specpipe: note: {' and '.join(f'draft.{k}={d.get(k)}' for k in given)} "
+                         f"{'is' if len(given) == 1 else 'are'} not read: draft={label} {cls.unread_because} "
+                         f"(draft={{{readers}}} read {'it' if len(given) == 1 else 'them'})")
+        return notes
 
     @classmethod
     def check(cls, d, errors: list) -> bool:
@@ -191,6 +213,8 @@ class NoDraftConf(DraftConf):
     num_draft_tokens: int = 2
 
     speculates: ClassVar[bool] = False
+    unread: ClassVar[tuple[str, ...]] = ("topk", "num_steps", "num_draft_tokens")
+    unread_because: ClassVar[str] = "decodes one token per step, with no draft tree"
 
 
 def draft_schemas() -> dict[str, type]:

@@ -14,8 +14,8 @@ from typing import Optional
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
-from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, ConfigTypeError, OmegaConfBaseException,
-                              ValidationError)
+from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, ConfigTypeError, InterpolationResolutionError,
+                              OmegaConfBaseException, ValidationError)
 from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
 
 from specpipe.config.compose import config_groups, default_value, group_options, keys_hint, valid_keys
@@ -31,8 +31,8 @@ GRAMMAR_CHARS = re.compile(r"[^\x21-\x7e]|[()=]")
 def explain(exc: BaseException, overrides: list[str], dirs: Optional[list] = None) -> str:
     """One paragraph naming the bad key/value and what would be valid. `overrides`: the ones composed; `dirs`:
     the config folders searched (the package's and a user's), whose options are the valid ones."""
-    for reason in (parse_problem, group_value_problem, uncaused_problem, missing_config_problem, value_problem,
-                   key_problem):
+    for reason in (parse_problem, group_value_problem, uncaused_problem, missing_config_problem,
+                   interpolation_problem, value_problem, key_problem):
         said = reason(exc, overrides, dirs)
         if said:
             return said
@@ -153,6 +153,53 @@ def missing_config_problem(exc, overrides, dirs) -> Optional[str]:
             f"(valid: {', '.join(valid)}).")
 
 
+def interpolation_problem(exc, overrides, dirs) -> Optional[str]:
+    """An interpolation with no value (`seed='${seed}'`, `${nope}`). OmegaConf raises it where a check reads the
+    key, without naming the key (no full_key), so the config is composed again and read key by key to find it."""
+    err = find(exc, InterpolationResolutionError)
+    if err is None or getattr(err, "full_key", None):
+        return None  # (one that names its key: value_problem / fallback quote it)
+    why = str(err).splitlines()[0].strip().rstrip(".")
+    found = None
+    try:
+        from specpipe.config.compose import compose_config
+
+        found = unresolved_value(compose_config(overrides))
+    except Exception:
+        pass
+    if found is None:  # it did not compose again: the last override that interpolates, as typed
+        typed = next((o for o in reversed(overrides) if "${" in o.partition("=")[2]), None)
+        found = (override_key(typed), typed.partition("=")[2]) if typed else None
+    if found is None:
+        return None
+    key, raw = found
+    shown = repr(raw if len(raw) <= 80 else raw[:80] + "...")
+    if "Recursive interpolation" in why:
+        return (f"specpipe: invalid value for {key}: {shown} leads back to {key} itself, so it has no value; give "
+                f"{key} a value, or an interpolation of another key that has one.")
+    return f"specpipe: invalid value for {key}: {shown} cannot be resolved ({why})."
+
+
+def unresolved_value(cfg, where: str = "") -> Optional[tuple[str, str]]:
+    """(key, its text as written) of the first value under `cfg` whose interpolation does not resolve, or None
+    (Hydra's own `hydra` node is left out)."""
+    from omegaconf import ListConfig
+
+    for k in (cfg.keys() if isinstance(cfg, DictConfig) else range(len(cfg))):
+        key = f"{where}.{k}" if where else str(k)
+        if key == "hydra":
+            continue
+        try:
+            value = cfg[k]
+        except InterpolationResolutionError:
+            return key, str(cfg._get_node(k)._value())
+        if isinstance(value, (DictConfig, ListConfig)):
+            inner = unresolved_value(value, key)
+            if inner is not None:
+                return inner
+    return None
+
+
 def value_problem(exc, overrides, dirs) -> Optional[str]:
     """A value the schema's node refuses: the wrong type, null where null is not allowed, a removal."""
     err = omegaconf_error(exc)
@@ -207,6 +254,13 @@ def key_problem(exc, overrides, dirs) -> Optional[str]:
     source = source_config(exc)
     if full.startswith("hydra.") and source is None:
         return hydra_key_problem(full, given, overrides)
+    removed = next((o for o in overrides if o.startswith("~") and override_key(o) == full.split(".")[0]), None)
+    if removed is not None and "." in full:  # the default config's keys there would list the very key refused
+        group = override_key(removed)
+        options = group_options(group, dirs)
+        choose = f"choose one ({group}={{{','.join(options)}}})" if options else "give it a value"
+        return (f"specpipe: invalid override {removed}: it removes {group}, so '{full}' has no {group} to be "
+                f"set in; a run needs its {group}: {choose} instead of removing it, and set {full} there.")
     valid = valid_keys(full)
     hint = f" (valid keys there: {', '.join(valid)})" if valid else ""
     if source and full not in [override_key(o) for o in overrides]:  # a key in a config file of the user's

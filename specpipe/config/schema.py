@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -55,10 +55,15 @@ class AllocatorConf:
     page_size: int = 1
     debug: bool = False  # verify caller-passed page counts (slower)
 
+    # what the checks must know of an allocator before any torch import (read through OmegaConf.get_type)
+    fixed_page_size: ClassVar[Optional[str]] = None  # why page_size must be 1 (None: any power of two)
+    eager_target_forward: ClassVar[Optional[str]] = None  # why compile.verify.target_forward must stay eager
+
 
 @dataclass
 class TokenAllocatorConf(AllocatorConf):
     _target_: str = "specpipe.allocators.token.TokenAllocator"
+    fixed_page_size: ClassVar[Optional[str]] = "the token allocator has page size 1 (every slot on its own)"
 
 
 @dataclass
@@ -79,6 +84,10 @@ class SWAAllocatorConf(AllocatorConf):
 class HiSparseAllocatorConf(AllocatorConf):
     _target_: str = "specpipe.allocators.hisparse.HiSparseAllocator"
     host_to_device_ratio: int = 2  # logical (host) id space per device slot
+    eager_target_forward: ClassVar[Optional[str]] = (
+        "cannot run with allocator=hisparse: its hot buffers are kept on the host from inside the target's forward "
+        "(each sparse layer's selection goes through an LRU), which a compiled or captured graph cannot hold; keep "
+        "compile.verify.target_forward=eager (the other branches may compile), or use allocator=paged")
 
 
 # ---- model ------------------------------------------------------------------------------

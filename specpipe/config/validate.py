@@ -7,7 +7,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from specpipe.config.build import check_target
+from specpipe.config.build import target_problems
 from specpipe.config.compile_policy import PolicyError, device_problem, parse_policy
 from specpipe.errors import ConfigError
 from specpipe.config.schema import (DRAFT_HEAD, DRAFT_MODEL, PROMPT_SET_NAMES, SAMPLING_RULES, draft_schema,
@@ -29,21 +29,9 @@ DEVICE_MODES = {  # device target -> its entry in compile_policy.DEVICE_SUPPORT 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
-def _targets(node, where: str, errors: list) -> None:
-    if isinstance(node, DictConfig):
-        if "_target_" in node:
-            err = check_target(node.get("_target_"), where)
-            if err:
-                errors.append(err)
-        for k in node.keys():
-            _targets(node.get(k), f"{where}.{k}" if where else str(k), errors)
-
-
-def allocator_kind(cfg) -> str:
-    """token, paged, swa or hisparse: the option of the allocator the config builds, the module its class lives in
-    (specpipe.allocators.<option>.<Class>); "" for a class of the user's own."""
-    target = str(cfg.allocator.get("_target_", ""))
-    return target.rsplit(".", 2)[-2] if target.startswith("specpipe.allocators.") and target.count(".") == 3 else ""
+def _targets(cfg: DictConfig, errors: list) -> None:
+    """Every `_target_` names exactly the class its node's schema names (`config/build.py` says why)."""
+    errors += target_problems(cfg, "")
 
 
 def _draft(d, errors: list) -> None:
@@ -61,9 +49,7 @@ def _draft(d, errors: list) -> None:
                           f"drafter with its config group, draft={d.method} (valid: {options}), and leave draft.method "
                           f"alone")
         return
-    if d._target_ != schema._target_:  # the group names the class: a config builds no other
-        errors.append(f"draft._target_={d._target_!r} is refused: a drafter is chosen with its config group "
-                      f"(draft={{{options.replace(', ', ',')}}}), which names its class")
+    if d._target_ != schema._target_:  # the group names the class: a config builds no other (_targets says so)
         return
     schema.check(d, errors)
 
@@ -88,11 +74,9 @@ def _compile(cfg, errors: list) -> None:
     for problem, keys in problems.items():
         errors.append(f"{problem}; set by {', '.join(keys)}")
     forward = cfg.compile.get("verify", {}).get("target_forward", "eager")
-    if allocator_kind(cfg) == "hisparse" and str(forward).strip() != "eager":
-        errors.append(f"compile.verify.target_forward={forward!r} cannot run with allocator=hisparse: its hot "
-                      f"buffers are kept on the host from inside the target's forward (each sparse layer's "
-                      f"selection goes through an LRU), which a compiled or captured graph cannot hold; keep "
-                      f"compile.verify.target_forward=eager (the other branches may compile), or use allocator=paged")
+    why = getattr(OmegaConf.get_type(cfg.allocator), "eager_target_forward", None)  # (its schema's data)
+    if why and str(forward).strip() != "eager":
+        errors.append(f"compile.verify.target_forward={forward!r} {why}")
 
 
 def _unknown_keys(cfg: DictConfig, errors: list) -> None:
@@ -147,7 +131,7 @@ def validate(cfg: DictConfig) -> None:
     _required(cfg, errors)
     if errors:
         raise ConfigError(errors)
-    _targets(cfg, "", errors)
+    _targets(cfg, errors)
     _device(cfg, errors)
     _draft(cfg.draft, errors)
     _compile(cfg, errors)
@@ -230,9 +214,9 @@ def _allocator(cfg: DictConfig, errors: list) -> None:
     ps_ok = ps >= 1 and not ps & (ps - 1)
     if not ps_ok:
         errors.append(f"allocator.page_size={ps} must be a power of two (1, 2, 4, 8, 16, ...)")
-    elif ps != 1 and allocator_kind(cfg) == "token":
+    elif ps != 1 and getattr(OmegaConf.get_type(a), "fixed_page_size", None):
         ps_ok = False
-        errors.append(f"allocator.page_size={ps}: the token allocator has page size 1 (every slot on its own); use "
+        errors.append(f"allocator.page_size={ps}: {OmegaConf.get_type(a).fixed_page_size}; use "
                       f"allocator=paged allocator.page_size={ps} for pages of {ps} slots")
     elif a.num_slots is not None and a.num_slots < 1:
         errors.append(f"allocator.num_slots={a.num_slots} must be positive (or null: sized for the workload)")

@@ -27,7 +27,7 @@ class SpecPipeline(Pipeline):
         self.S, self.N = num_steps, num_draft_tokens
         self.growth = num_draft_tokens
         self.proposer = proposer
-        self.fused_verify = False  # rounds verify through one `verify.round` call (app.build_pipeline decides)
+        self.fused_verify = False  # rounds verify through one `verify.round` call (run.plan_rounds decides)
         # the draft flags verify.round reads for drafters that raise none (n-gram, suffix): sliced, never allocated
         # per round
         self.no_draft_flags = torch.zeros(max_requests, dtype=torch.bool, device=self.dev)

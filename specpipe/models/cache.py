@@ -124,7 +124,7 @@ def load_standalone(cfg: DictConfig, pair, dtype: str, device) -> None:
     else:
         raise ConfigError(f"draft={draft_schema(cfg.draft).label(cfg.draft)} needs draft.path=DIR: a small causal LM "
                           "folder (config.json + safetensors) with the same tokenizer as the target (see `make "
-                          "train-tiny` in the README)")
+                          "train-tiny` in docs/checkpoints.md)")
     check_same_vocabulary(cfg.draft.path, pair.tokenizer)
     own, tokens = pair.standalone.config.vocab_size, pair.tokenizer.vocab_size
     if own < tokens:

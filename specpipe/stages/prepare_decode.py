@@ -304,7 +304,7 @@ class PrepareDecode(Stage):
 def target_kv_layout(pair, allocator) -> dict:
     """``setup_kv`` keyword arguments for the target under ``allocator``; ConfigError when they don't fit.
 
-    Called where the model pair and the allocator meet (``app.run``, right after ``build_allocator``).
+    Called where the model pair and the allocator meet (``run.run``, right after ``build_allocator``).
     SWA: the target's sliding layers get a window pool of ``swa_pool_slots``; a model without sliding
     layers, or an allocator window smaller than the model's (the pool would free keys the model still
     reads), is an error. HiSparse: the target reports its sparse selections to the hot buffers (a dense

@@ -7,7 +7,8 @@ list of named templates) and is rendered the way HF transformers' `apply_chat_te
 a sandboxed Jinja environment with trim_blocks and lstrip_blocks, loop controls, `raise_exception`,
 `strftime_now` and a `tojson` filter that keeps non-ASCII text, and the special tokens (`bos_token`,
 `eos_token`, ...) as strings. The rendered text already holds the special tokens, so it is encoded
-without adding any (no second BOS).
+without adding any (no second BOS). The sandbox also caps what one render may build and how long it may run
+(`template_sandbox`): a template from a downloaded folder is code nobody reviewed.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
+MAX_ERROR_CHARS = 500  # of a template's own words in an error (raise_exception's message, an exception's text)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -51,24 +53,26 @@ class ChatTemplate:
         """`source` None: the folder has only other named templates (`tool_use`), and `missing` says why a chat
         without tools cannot be rendered."""
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from specpipe.workload.template_sandbox import BoundedSandbox
 
         def raise_exception(message):
-            raise ChatTemplateError(f"the chat template refused these messages: {message}")
+            raise ChatTemplateError(f"the chat template refused these messages: {_short(message)}")
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                             extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            self._template = env.from_string(source) if source is not None else None
+            self._template = env.from_source(source) if source is not None else None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{origin}: not a valid Jinja template ({e})") from None
         self.source = source
+        self._env = env
         self.origin = origin
         self.missing = missing
         self.takes_content_parts = source is not None and _iterates_over_content(env, source)
@@ -87,14 +91,25 @@ class ChatTemplate:
         messages = [_as_transformers_passes_it(m) for m in messages]
         if not self.takes_content_parts:
             messages = [_joined_text(m) for m in messages]
+        from specpipe.workload.template_sandbox import TemplateLimitError, render_bounded
+
         try:
-            return self._template.render(**{**self.special_tokens, **kwargs}, messages=messages,
-                                         add_generation_prompt=add_generation_prompt, tools=tools,
-                                         documents=documents)
+            return render_bounded(self._env, self._template, {**self.special_tokens, **kwargs, "messages": messages,
+                                  "add_generation_prompt": add_generation_prompt, "tools": tools,
+                                  "documents": documents})
         except ChatTemplateError:
             raise
+        except TemplateLimitError as e:
+            raise ChatTemplateError(f"{self.origin} went past a limit on these messages: {e}") from None
         except Exception as e:  # whatever the template's code raises (1/0, a huge range(), deep recursion)
-            raise ChatTemplateError(f"{self.origin} failed on these messages ({type(e).__name__}: {e})") from None
+            raise ChatTemplateError(f"{self.origin} failed on these messages ({type(e).__name__}: "
+                                    f"{_short(e)})") from None
+
+
+def _short(what: Any) -> str:
+    """A template's words for an error, cut to MAX_ERROR_CHARS (a message it built can be megabytes)."""
+    text = str(what)
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + f"... ({len(text)} characters)"
 
 
 def _iterates_over_content(env, source: str) -> bool:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from specpipe.workload.chat_template import CHAT_FIELDS, check_chat_options, check_messages
+from specpipe.workload.lines import prompt_lines
+from specpipe.workload.prompt_values import nesting_problem
 from specpipe.config.stop_strings import check_stop
 from specpipe.errors import InputError
 from specpipe.config.schema import (PROMPT_SET_NAMES, GREEDY_TEMPERATURE, SAMPLING_RULES, is_int, is_number,
@@ -173,6 +175,9 @@ def not_unicode(value, field: str = "") -> Optional[str]:
 
 def parse_prompt_line(obj, where) -> dict:
     """See `_parse_prompt_line`; a request refused for another field keeps its prompt text in its completion."""
+    why = nesting_problem(obj, where if isinstance(where, str) else f"line {where}")
+    if why:  # a cycle (an API dict) or a nesting past the cap: no walk below would end, or end well
+        return {"error": why, "prompt": ""}
     try:
         item = _parse_prompt_line(obj, where)
     except RecursionError:  # a value nested thousands deep (an API dict; a file's line fails in json.loads)
@@ -286,25 +291,6 @@ def _parse_prompt_line(obj, where) -> dict:
     return {"prompt": obj["prompt"], **extra, "where": n}
 
 
-_STDIN: list[bytes] = []  # standard input, read once: every job of an in-process sweep sees the same prompts
-
-
-def read_stdin() -> bytes:
-    import sys
-
-    if not _STDIN:
-        if sys.stdin is None or sys.stdin.isatty():
-            what = "closed" if sys.stdin is None else "a terminal"
-            raise InputError(f"workload.prompts_file='-' reads the prompts from standard input, which is {what} "
-                             "here; pipe a JSON-lines file in: python -m specpipe workload.prompts_file=- < "
-                             "prompts.jsonl")
-        _STDIN.append(sys.stdin.buffer.read())
-    if not _STDIN[0].strip():
-        raise InputError("workload.prompts_file='-': standard input held no prompts; pipe a JSON-lines file with "
-                         'one {"prompt": "..."} object per line into it')
-    return _STDIN[0]
-
-
 def is_json_array(raw: bytes) -> bool:
     """Whether the whole file is one JSON array (of prompts written as a .json file, not JSON lines)."""
     if not raw.lstrip().startswith(b"["):
@@ -315,77 +301,80 @@ def is_json_array(raw: bytes) -> bool:
         return False
 
 
-_PIPES: dict[str, bytes] = {}  # a pipe's bytes (<(zcat p.jsonl.gz), /dev/stdin, a FIFO), read once: every job sees them
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark (Windows editors save one; `cat` joins files that have one)
+NOT_JSON_PROBE = 1000  # non-blank lines that are all no JSON object: the file is refused without reading on
+ARRAY_CHECK_BYTES = 64 * 2 ** 20  # a file that starts with "[" is read up to this far to tell a JSON array
 
 
-def read_pipe(p: Path) -> bytes:
-    if str(p) not in _PIPES:
-        _PIPES[str(p)] = p.read_bytes()
-    return _PIPES[str(p)]
+def wrong_encoding(path: str, first_line: bytes) -> None:
+    encoded = {b"\x1f\x8b": "gzip-compressed (give it as a pipe: workload.prompts_file=<(zcat FILE))",
+               b"\xff\xfe": "UTF-16 text (PowerShell's default; save it as UTF-8)",
+               b"\xfe\xff": "UTF-16 text (save it as UTF-8)"}.get(first_line.removeprefix(BOM)[:2])
+    if encoded:
+        raise InputError(f"workload.prompts_file={path!r} is {encoded}; specpipe reads UTF-8 JSON lines, one "
+                         f'{{"prompt": "..."}} object per line')
+
+
+def line_item(line: bytes, n: int) -> tuple[dict, bool]:
+    """One line's item, and whether the line is no JSON object (a prompts file of only such lines is refused)."""
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return {"error": f"line {n}: not valid UTF-8", "prompt": ""}, True
+    except json.JSONDecodeError as e:  # its msg alone lost the place ("Invalid control character at")
+        place = f"column {e.colno}" if e.lineno == 1 else f"character {e.pos + 1}"
+        return {"error": f"line {n}: not valid JSON ({e.msg.removesuffix(' at')} at {place})", "prompt": ""}, True
+    except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits (4300): Python refuses it
+        return {"error": f"line {n}: not valid JSON here (it holds a number of more than "
+                         f"{sys.get_int_max_str_digits()} digits)", "prompt": ""}, True
+    except RecursionError:
+        return {"error": f"line {n}: JSON nested too deeply to read", "prompt": ""}, True
+    return parse_prompt_line(obj, n), not isinstance(obj, dict)  # a number, a string, an array: no prompt either
 
 
 def read_prompts_file(path: str, limit: Optional[int] = None) -> list[dict]:
     """`path` "-" reads standard input (`... | python -m specpipe workload.prompts_file=-`). `limit`: the lines
-    after that many prompts are not parsed (workload.num_prompts=5 of a million-line file)."""
-    p = Path(path)
-    try:
-        raw = read_stdin() if path == "-" else p.read_bytes() if p.is_file() or not p.exists() else read_pipe(p)
-    except FileNotFoundError:
-        raise InputError(f"workload.prompts_file={path!r} does not exist (give a JSON-lines file with one "
-                         f'{{"prompt": "..."}} object per line, or leave it unset for the built-in prompts)') from None
-    except (IsADirectoryError, PermissionError) as e:
-        raise InputError(f"workload.prompts_file={path!r} cannot be read ({e.strerror}); give a readable "
-                         "JSON-lines file") from None
+    after that many prompts are not read (workload.num_prompts=5 of a million-line file). Lines are streamed
+    (`workload.lines`), none longer than MAX_LINE_BYTES."""
     items, not_json = [], 0
-    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors save one)
-    encoded = {b"\x1f\x8b": "gzip-compressed (give it as a pipe: workload.prompts_file=<(zcat FILE))",
-               b"\xff\xfe": "UTF-16 text (PowerShell's default; save it as UTF-8)",
-               b"\xfe\xff": "UTF-16 text (save it as UTF-8)"}.get(raw[:2])
-    if encoded:
-        raise InputError(f"workload.prompts_file={path!r} is {encoded}; specpipe reads UTF-8 JSON lines, one "
-                         f'{{"prompt": "..."}} object per line')
-    # lines end in \n or \r\n; a file with no \n at all but bare CRs (classic Mac OS) is split at those (JSON text never
-    # holds a raw CR inside a string, so a CR is a line end there)
-    lines = raw.split(b"\n") if b"\n" in raw or b"\r" not in raw.strip() else raw.split(b"\r")
-    for n, line in enumerate(lines, 1):
-        if limit is not None and len(items) >= limit and not_json < len(items):  # (all bad so far: the format check
-            break                                                                # below reads the whole file)
-        line = line.removeprefix(b"\xef\xbb\xbf")  # a file saved with one, joined to others by `cat`
+    first = None  # the first non-blank line
+    array: Optional[list[bytes]] = None  # a file that starts with "[": its lines, to tell whether it is one array
+    array_bytes = 0
+    for n, line in enumerate(prompt_lines(path), 1):
+        if n == 1:
+            wrong_encoding(path, line)
+        if array is not None and n > 1:
+            array.append(line)
+            array_bytes += len(line)
+            if array_bytes > ARRAY_CHECK_BYTES:  # (rarely more than a line: JSON lines never start so)
+                array = None
+        if array is None and (limit is not None and len(items) >= limit and not_json < len(items)
+                              or not_json == len(items) >= NOT_JSON_PROBE):  # (all bad so far: the file is read on
+            break                                                              # to tell its format, up to the probe)
+        line = line.removeprefix(BOM)
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            not_json += 1
-            items.append({"error": f"line {n}: not valid UTF-8", "prompt": ""})
-            continue
-        except json.JSONDecodeError as e:
-            not_json += 1
-            items.append({"error": f"line {n}: not valid JSON ({e.msg})", "prompt": ""})
-            continue
-        except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits (4300): Python refuses it
-            not_json += 1
-            items.append({"error": f"line {n}: not valid JSON here (it holds a number of more than "
-                                   f"{sys.get_int_max_str_digits()} digits)", "prompt": ""})
-            continue
-        except RecursionError:
-            not_json += 1
-            items.append({"error": f"line {n}: JSON nested too deeply to read", "prompt": ""})
-            continue
-        not_json += not isinstance(obj, dict)  # a number, a string, an array: not a prompt's object either
-        items.append(parse_prompt_line(obj, n))
+        if first is None:
+            first = line
+            array, array_bytes = ([line], len(line)) if line.lstrip().startswith(b"[") else (None, 0)
+        item, bad = line_item(line, n)
+        items.append(item)
+        not_json += bad
     if not items:
+        if path == "-":
+            raise InputError("workload.prompts_file='-': standard input held no prompts; pipe a JSON-lines file "
+                             'with one {"prompt": "..."} object per line into it')
         raise InputError(f"workload.prompts_file={path!r} holds no prompts (only blank lines); give one "
                          f'{{"prompt": "..."}} object per line')
-    if next(line for line in lines if line.strip()).strip() == b"[" or is_json_array(raw):
+    if first.strip() == b"[" or (array is not None and is_json_array(b"\n".join(array))):
         raise InputError(f"workload.prompts_file={path!r} holds a JSON array, not JSON lines (one object per line, no "
                          f"brackets or commas between them); convert it once: python -c 'import json,sys; "
                          f"[print(json.dumps(x)) for x in json.load(sys.stdin)]' < {Path(path).name} > prompts.jsonl")
     if not_json == len(items):  # plain text, CSV, ...: not one request's typo but the wrong format
-        first = next(line for line in lines if line.strip())[:60].decode("utf-8", "replace")
-        raise InputError(f"workload.prompts_file={path!r} is not a JSON-lines file: none of its {len(items)} "
-                         f"non-blank lines is a UTF-8 JSON object (the first reads {first!r}). "
-                         "Give one JSON object per line, "
+        some = f"first {len(items)}" if len(items) >= NOT_JSON_PROBE else f"{len(items)}"
+        raise InputError(f"workload.prompts_file={path!r} is not a JSON-lines file: none of its {some} "
+                         f"non-blank lines is a UTF-8 JSON object (the first reads "
+                         f"{first[:60].decode('utf-8', 'replace')!r}). Give one JSON object per line, "
                          f'e.g. {{"prompt": "def fib(n):"}} or {{"prompt_ids": [1, 2, 3]}}; to convert a '
                          f"one-prompt-per-line text file: python -c 'import json,sys; [print(json.dumps("
                          f'{{"prompt": l.rstrip(chr(10))}})) for l in sys.stdin]\' < prompts.txt > prompts.jsonl')

@@ -75,7 +75,8 @@ CASES = [
      True),
     (["seed=-1"], "seed=-1 must be between 0 and 2**63-1", True),
     (["seed=99999999999999999999999"], "seed=99999999999999999999999 must be between 0 and 2**63-1", True),
-    (["allocator._target_=os.system"], "only classes and functions inside the 'specpipe' package", True),
+    (["allocator._target_=os.system"], "allocator._target_='os.system' is refused: a config builds only the class",
+     True),
     (["model._target_=subprocess.call"], "refused", True),
     (["compile.draft_topk.later=jit"], "unknown mode 'jit'", True),
     (["compile.draft_topk.latr=eager"], "'compile.draft_topk.latr' is not a configuration key", True),
@@ -138,6 +139,24 @@ CASES = [
     # the message blamed "the 658 KV slots this workload needs", not the window pool's size
     (["allocator=swa", "model.sliding_window=16", "allocator.swa_num_slots=99999999999999999999"],
      "(with allocator.swa_num_slots=99999999999999999999): the KV cache does not fit in cpu memory", False),
+    # issue #46: a name under specpipe reached outside code (torch.load really ran; exit 1, Hydra's text), a class
+    # of another option or a missing module gave tracebacks; each is now refused by name, before anything imports
+    (["model._target_=specpipe.run.torch.load"], "model._target_='specpipe.run.torch.load' is refused", True),
+    (["allocator._target_=specpipe.run.os.system"], "allocator._target_='specpipe.run.os.system' is refused", True),
+    (["allocator._target_=specpipe.allocators.swa.SWAAllocator"], "is allocator=swa's class, so choose it with the "
+     "config group: allocator=swa (valid: allocator={token,paged,swa,hisparse})", True),
+    (["allocator._target_=specpipe.nonexistent.Foo"], "allocator._target_='specpipe.nonexistent.Foo' is refused: "
+     "a config builds only the class (or function) that its allocator option's schema names", True),
+    (["model._target_=specpipe.allocators.paged.PagedAllocator"], "is allocator=paged's class, not a model", True),
+    (["-m", "draft.topk=1,2", "allocator._target_=specpipe.run.os.system"],
+     "allocator._target_='specpipe.run.os.system' is refused", True),  # a sweep's points are checked up front too
+    # issue #46: said num_threads "is not a configuration key" and then listed it as valid
+    (["~device", "device.num_threads=1"], "invalid override ~device: it removes device, so 'device.num_threads' has "
+     "no device to be set in; a run needs its device: choose one (device={cpu,cuda,npu})", True),
+    # issue #46: "Recursive interpolation detected", naming no key
+    (["seed=${seed}"], "invalid value for seed: '${seed}' leads back to seed itself, so it has no value", True),
+    (["seed=${nope}"], "invalid value for seed: '${nope}' cannot be resolved (Interpolation key 'nope' not found)",
+     True),
 ]
 
 
@@ -171,6 +190,21 @@ def test_every_case_exits_2_without_traceback(tmp_path, overrides, fragment, ear
     line = next(x for x in p.stderr.splitlines() if fragment.split("\n")[0] in x)
     assert line.startswith("specpipe:") or line.startswith("  - "), (overrides, line)  # one voice for all
     assert "Traceback" not in out, (overrides, out[-800:])
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("target", ["model._target_=specpipe.run.torch.load",
+                                    "allocator._target_=specpipe.run.os.system",
+                                    "allocator._target_=specpipe.allocators.swa.SWAAllocator",
+                                    "allocator._target_=specpipe.nonexistent.Foo"])
+def test_a_target_outside_the_schemas_exits_2_naming_it(tmp_path, target):
+    """Issue #46: torch.load really ran (exit 1, Hydra's "Error executing job"); os.system was stopped only by
+    Hydra's own blocklist; a class of another option, or of no module at all, ended in a traceback."""
+    p = cli(SMALL + [target], tmp_path)
+    key, value = target.split("=")
+    assert p.returncode == 2 and f"{key}={value!r} is refused" in p.stderr, p.stderr[-800:]
+    assert "Traceback" not in p.stderr + p.stdout and "Error executing job" not in p.stderr
+    assert "{token,paged,swa,hisparse}" in p.stderr or "{random_tiny,hf,tiny}" in p.stderr
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
@@ -297,3 +331,26 @@ def test_a_budget_past_int64_decodes(tmp_path, knob, model):
         lines = (tmp_path / name / "run" / "completions.jsonl").read_text().splitlines()
         outputs[name] = [json.loads(x)["output_ids"] for x in lines]
     assert outputs["big"] == outputs["ref"]
+
+
+@pytest.mark.parametrize("stdin", [False, True], ids=["path", "stdin"])
+def test_dev_zero_as_the_prompts_file_ends_at_the_cap_on_one_line(tmp_path, stdin):
+    """issue #46: workload.prompts_file=/dev/zero (or - < /dev/zero) read until memory ran out and ended in a
+    MemoryError traceback. The read stops at the cap on one line: one paragraph, exit 2, within seconds."""
+    import resource
+    import time
+
+    def limited():  # (a reader that takes it all fails here at 4 GiB, not at the machine's memory)
+        resource.setrlimit(resource.RLIMIT_DATA, (4 * 2 ** 30, 4 * 2 ** 30))  # (the heap; not libraries)
+    args = [sys.executable, "-m", "specpipe", *SMALL, "workload.prompts_file=" + ("-" if stdin else "/dev/zero"),
+            f"hydra.run.dir={tmp_path}/run"]
+    start = time.monotonic()
+    with open("/dev/zero", "rb") as zero:
+        p = subprocess.run(args, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           stdin=zero if stdin else subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                           preexec_fn=limited)
+    assert p.returncode == 2 and "Traceback" not in p.stderr + p.stdout, p.stderr[-2000:]
+    said = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(said) == 1 and said[0].startswith("specpipe: workload.prompts_file=") and \
+        "line 1 is longer than 16 MiB, the cap on one prompt's line" in said[0], p.stderr[-2000:]
+    assert time.monotonic() - start < 120

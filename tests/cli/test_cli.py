@@ -103,6 +103,36 @@ def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
     assert (out / "completions.jsonl.prev").read_text() == '{"index": 0}\n'
 
 
+def default_sigterm() -> None:
+    """preexec_fn for a child that the test stops with SIGTERM (a runner may have left it ignored)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_sigterm_keeps_the_finished_requests_and_says_how_to_resume_as_ctrl_c_does(tmp_path):
+    """issue #46: SIGTERM (`kill`, `timeout`, a scheduler's stop) left the partial file but printed nothing (the
+    process died by the signal); it now ends the run as Ctrl-C does, with exit status 143."""
+    import time
+
+    out = tmp_path / "run"
+    partial = out / "completions.partial.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
+                          "workload.max_new_tokens=300", "workload.batch_size=1", "draft=none",
+                          f"hydra.run.dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=default_sigterm)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not partial.exists() or not partial.read_text().strip()):
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 143, (p.returncode, stderr[-2000:])
+    assert "specpipe: stopped by SIGTERM; the requests that had finished are in" in stderr, stderr[-2000:]
+    assert f"resume=true hydra.run.dir={out}" in stderr and "Traceback" not in stderr
+    recs = [json.loads(x) for x in partial.read_text().splitlines()]
+    assert recs and recs[0]["index"] == 0 and len(recs) < 12 and not (out / "metrics.json").exists()
+
+
 def test_a_run_refused_by_a_check_against_the_model_leaves_the_folders_earlier_results_in_place(tmp_path):
     """Checks that need the loaded model (allocator=swa on a model without sliding-window layers) run after Hydra
     made the run folder; a refused run writes nothing, so it must not set the earlier results aside either."""

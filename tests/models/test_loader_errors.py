@@ -146,6 +146,22 @@ def test_a_crafted_or_broken_pytorch_file_is_refused_without_running_code(target
     _raises(lambda: load_target(target_copy), "pytorch_model.bin", "not a flat state dict")
 
 
+def test_a_general_pickle_is_refused_without_torchs_warning(target_copy, tmp_path):
+    """Issue #46: a .pt that is a plain pickle was refused, and torch's UserWarning ("Detected pickle protocol 4
+    ...") printed besides the message."""
+    import pickle
+    import warnings
+
+    (target_copy / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    (target_copy / "weights.pt").write_bytes(pickle.dumps(_Payload(marker), protocol=4))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _raises(lambda: load_target(target_copy), "weights.pt", "weights_only=True",
+                "it is not a pickle of tensors that the weights-only loader can read")
+    assert [str(w.message) for w in said] == [] and not marker.exists()
+
+
 def test_shape_mismatch(target_copy):
     f = target_copy / "model.safetensors"
     sd = load_file(f)
@@ -229,6 +245,9 @@ def test_config_errors(target_copy, edit_config):
     _raises(lambda: load_target(target_copy), cfg, "'eos_token_id' must be a token id", "[2, '</s>']")
     (target_copy / "config.json").write_text("{not json")
     _raises(lambda: load_target(target_copy), cfg, "not valid JSON")
+    (target_copy / "config.json").write_text("[1, 2]")  # issue #46: called "not valid JSON"
+    msg = _raises(lambda: load_target(target_copy), cfg, "valid JSON, but its top level is an array, not an object")
+    assert "not valid JSON" not in msg
 
 
 def test_missing_shard(target_copy):

@@ -142,7 +142,8 @@ def test_a_new_sweep_into_a_used_folder_leaves_no_earlier_results_beside_a_faile
     assert e.value.code == 2 and "nothing to report" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset, plugin", [("tree_shape", None), ("optuna_tree", "hydra_optuna_sweeper")])
+@pytest.mark.parametrize("preset, plugin", [("tree_shape", None), pytest.param(
+    "optuna_tree", "hydra_optuna_sweeper", marks=pytest.mark.extras)])  # extras: run by make test-extras
 def test_a_crashed_job_scores_what_its_sweeper_accepts(tmp_path, preset, plugin):
     """The callback turns a job's exception into a failed point: NaN for the basic sweeper, the worst score for
     Optuna's (which ends the whole search on NaN), and an error.json that names the job's point."""
@@ -157,8 +158,8 @@ def test_a_crashed_job_scores_what_its_sweeper_accepts(tmp_path, preset, plugin)
     from specpipe.config.schema import register_schemas
     from specpipe.sweep.callback import SweepSummary
 
-    if plugin and importlib.util.find_spec(f"hydra_plugins.{plugin}") is None:
-        pytest.skip(f"{plugin} is not installed (pip install 'specpipe[optuna]')")
+    assert not plugin or importlib.util.find_spec(f"hydra_plugins.{plugin}"), \
+        f"{plugin} is not installed (make test-extras installs it; or pip install 'specpipe[optuna]')"
     register_schemas()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -32,6 +32,12 @@ def has_plugin(name: str) -> bool:
     return importlib.util.find_spec(f"hydra_plugins.{name}") is not None
 
 
+def need_plugin(name: str, extra: str) -> None:
+    """Tests marked `extras` run in `make test-extras`, whose .venv-extras holds the plugins: a missing one fails."""
+    assert has_plugin(name), f"{name} is not installed (make test-extras installs requirements-extras.txt; " \
+                             f"or pip install 'specpipe[{extra}]')"
+
+
 def compose_hydra(overrides: list[str]):
     """The job config plus the hydra node (sweeper params, launcher), as the command line would compose it."""
     from hydra import compose, initialize_config_dir
@@ -143,15 +149,16 @@ def test_ctrl_c_keeps_finished_jobs(tmp_path):
     assert not (sweep / "1" / "metrics.json").exists()  # the interrupted job does not look finished
 
 
-SWEEPS = sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml"))
+SWEEPS = [pytest.param(p.stem, marks=pytest.mark.extras) if p.stem.startswith("optuna") else p.stem
+          for p in sorted((ROOT / "conf" / "sweep").glob("*.yaml"))]
 
 
 @pytest.mark.parametrize("name", SWEEPS)
 def test_ready_sweeps_compose_and_validate_at_every_point(name):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    if name.startswith("optuna") and not has_plugin("hydra_optuna_sweeper"):
-        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
+    if name.startswith("optuna"):
+        need_plugin("hydra_optuna_sweeper", "optuna")
     cfg = compose_hydra([f"sweep={name}"])
     assert cfg.hydra.mode.name == "MULTIRUN"
     params = cfg.hydra.sweeper.params
@@ -290,14 +297,14 @@ def test_slurm_launcher_config_renders_an_sbatch_script(tmp_path, monkeypatch):
 
 
 def optuna_search(tmp_path, *overrides):
-    """(sweep dir, process) of `sweep=optuna_tree` with these overrides; skipped without the plugin."""
-    if not has_plugin("hydra_optuna_sweeper"):
-        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
+    """(sweep dir, process) of `sweep=optuna_tree` with these overrides; fails without the plugin."""
+    need_plugin("hydra_optuna_sweeper", "optuna")
     sweep = tmp_path / "sweep"
     return sweep, specpipe("sweep=optuna_tree", *overrides, *SMALL, f"hydra.sweep.dir={sweep}")
 
 
 @pytest.mark.slow
+@pytest.mark.extras
 def test_optuna_sweep_maximizes_tokens_per_s(tmp_path):
     sweep, p = optuna_search(tmp_path, "hydra.sweeper.n_trials=3", "latency_limit_ms=1000")
     assert p.returncode == 0, p.stderr
@@ -310,12 +317,12 @@ def test_a_failed_job_scores_nan_for_the_basic_sweeper():
     assert math.isnan(failed_objective(compose_hydra(["sweep=tree_shape"]).hydra))
 
 
+@pytest.mark.extras
 @pytest.mark.parametrize("direction, worst", [(None, -math.inf), ("minimize", math.inf)])
 def test_a_failed_job_scores_the_worst_value_for_optuna(direction, worst):
     """Optuna's sweeper ends the whole search when a trial returns NaN: a failed job scores what ranks last
     for the study's direction (sweep=optuna_tree maximizes), and Optuna accepts it."""
-    if not has_plugin("hydra_optuna_sweeper"):
-        pytest.skip("hydra-optuna-sweeper is not installed (pip install 'specpipe[optuna]')")
+    need_plugin("hydra_optuna_sweeper", "optuna")
     import optuna
 
     cfg = compose_hydra(["sweep=optuna_tree", *([f"hydra.sweeper.direction={direction}"] if direction else [])])
@@ -330,6 +337,7 @@ def test_a_failed_job_scores_the_worst_value_for_optuna(direction, worst):
 
 
 @pytest.mark.slow
+@pytest.mark.extras
 def test_optuna_search_goes_on_past_failed_trials(tmp_path):
     # every trial fails: the pool is too small for any request
     sweep, p = optuna_search(tmp_path, "hydra.sweeper.n_trials=2", "allocator.num_slots=50")
@@ -339,11 +347,15 @@ def test_optuna_search_goes_on_past_failed_trials(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extras
 def test_ray_local_launcher_runs_two_jobs(tmp_path):
-    if not has_plugin("hydra_ray_launcher"):
-        pytest.skip("hydra-ray-launcher is not installed (pip install 'specpipe[ray]')")
+    need_plugin("hydra_ray_launcher", "ray")
     sweep = tmp_path / "sweep"
-    p = specpipe("-m", "hydra/launcher=ray_local", "draft.topk=1,2", *SMALL, f"hydra.sweep.dir={sweep}")
+    # Ray 2.60 swaps ray.init(_node_ip_address="127.0.0.1") for this host's routable address and then listens on
+    # every interface; RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (no multi-node Ray) keeps every Ray server on 127.0.0.1
+    p = subprocess.run([sys.executable, "-m", "specpipe", "-m", "hydra/launcher=ray_local", "draft.topk=1,2", *SMALL,
+                        f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=dict(ENV, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"),
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert [metrics(sweep, i)["config"]["draft"]["topk"] for i in range(2)] == [1, 2]
 

@@ -27,9 +27,12 @@ def read_config(folder: str | Path) -> dict:
                               f"next to its safetensors weights")
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
-        assert isinstance(raw, dict), "expected a JSON object at the top level"
-    except (json.JSONDecodeError, UnicodeDecodeError, AssertionError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):  # valid JSON, but a list or a number is no set of settings
+        kind = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}.get(type(raw), "a number")
+        raise CheckpointError(f"{file}: valid JSON, but its top level is {kind}, not an object; config.json holds "
+                              f"one {{...}} object of the model's settings (\"architectures\", \"hidden_size\", ...)")
     return raw
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -108,10 +109,15 @@ def safetensors_items(f: Path):
 def torch_state_dict(f: Path) -> list:
     """(name, tensor) of a PyTorch state dict file, read by torch's restricted (weights-only) unpickler."""
     try:
-        sd = torch.load(str(f), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings(record=True) as said:  # torch's warnings on a pickle it then refuses
+            warnings.simplefilter("always")
+            sd = torch.load(str(f), map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError for anything but tensors and plain containers, or a broken file
-        if isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower():
+        if isinstance(e, pickle.UnpicklingError) and "unsupported global" in str(e).lower():
             why = "it holds Python objects besides tensors, which the weights-only loader refuses to build"
+        elif isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower():
+            why = "it is not a pickle of tensors that the weights-only loader can read: a general pickle, or no " \
+                  "pickle at all"
         else:
             import re
 
@@ -119,6 +125,8 @@ def torch_state_dict(f: Path) -> list:
             why = text.splitlines()[0][:160] if text else type(e).__name__
         raise CheckpointError(f"{f}: cannot be read as a PyTorch state dict with torch.load(weights_only=True) "
                               f"({why}); give model.safetensors or a plain state dict of tensors") from None
+    for w in said:  # a file that loads: its warnings still reach the user
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in sd.items()):
         raise CheckpointError(f"{f}: not a flat state dict (name -> tensor); found {type(sd).__name__}"
                               f"{' with non-tensor entries' if isinstance(sd, dict) else ''}. Save "
