@@ -95,6 +95,26 @@ def on_event_of(kind: str, events: list):
     return {"none": None, "collect": events.append, "junk": 1}[kind]
 
 
+def out_dir_of(kind: str, tmp_path_factory):
+    """None (most calls), a folder to make, a Path, or what is no folder: a file, "", an int."""
+    if kind == "none":
+        return None
+    folder = tmp_path_factory.mktemp("fuzz_out")
+    (folder / "a_file").write_text("x")
+    return {"folder": str(folder / "run"), "path": folder / "run", "file": str(folder / "a_file"), "empty": "",
+            "int": 1}[kind]
+
+
+def files_hold(out_dir, n: int) -> None:
+    """A call that wrote its files wrote one JSON line per request and a metrics.json."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(out_dir) / "completions.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len([json.loads(x) for x in lines]) == n
+    json.loads((Path(out_dir) / "metrics.json").read_text(encoding="utf-8"))
+
+
 def check_completions(out, events: list) -> None:
     assert isinstance(out, list) and all(isinstance(c, Completion) for c in out), brief(out)
     assert [c.index for c in out] == list(range(len(out)))
@@ -106,28 +126,34 @@ def check_completions(out, events: list) -> None:
 
 
 @example(prompts=cyclic({"prompt": "x"}), method="generate", max_new_tokens=2, stop=None, seed=None, sampling={},
-         logprobs=None, on_event="none")  # issue #46 item 2 (a hang)
-@example(prompts=[{"prompt": "x", "seed": 10 ** 5000}], method="generate", max_new_tokens=2, stop=None, seed=None,
-         sampling={}, logprobs=None, on_event="collect")
+         logprobs=None, on_event="none", out_dir="none")  # issue #46 item 2 (a hang)
+@example(prompts=[{"prompt": "x", "seed": 10 ** 5000, 5: {1, 2}, "meta": float("nan")}], method="generate",
+         max_new_tokens=2, stop=None, seed=None, sampling={}, logprobs=None, on_event="collect", out_dir="folder")
 @given(prompts=prompts, method=st.sampled_from(["generate", "generate", "stream"]), max_new_tokens=limits,
        stop=stops, seed=seeds, logprobs=logprobs_args, sampling=sampling_args,
-       on_event=st.sampled_from(["none", "none", "none", "collect", "collect", "junk"]))
+       on_event=st.sampled_from(["none", "none", "none", "collect", "collect", "junk"]),
+       out_dir=st.sampled_from(["none"] * 6 + ["folder", "path", "file", "empty", "int"]))
 @fuzz_settings("generate")
 def test_generate_returns_completions_or_raises_specpipe_error(sp, prompts, method, max_new_tokens, stop, seed,
-                                                                sampling, logprobs, on_event):
+                                                                sampling, logprobs, on_event, out_dir,
+                                                                tmp_path_factory):
     events: list = []
+    folder = out_dir_of(out_dir, tmp_path_factory)
     with bounded(30, f"{method}({brief(prompts, 80)}, ...)"):
         try:
             if method == "generate":
                 out = sp.generate(prompts, max_new_tokens=max_new_tokens, stop=stop, seed=seed, logprobs=logprobs,
-                                  on_event=on_event_of(on_event, events), **sampling)
+                                  on_event=on_event_of(on_event, events), out_dir=folder, **sampling)
                 check_completions(out, events)
             else:
                 with sp.stream(prompts, max_new_tokens=max_new_tokens, stop=stop, seed=seed, logprobs=logprobs,
-                               **sampling) as s:
+                               out_dir=folder, **sampling) as s:
                     events = list(s)
                 assert all(isinstance(e, StreamEvent) and e.finish_reason in (None, *FINISH) for e in events)
+                out = [e for e in events if e.finish_reason is not None]  # each request's last event
                 event("streamed")
+            if out_dir in ("folder", "path"):
+                files_hold(folder, len(out))
         except SpecpipeError as e:
             assert str(e).startswith("specpipe:") and "Traceback" not in str(e), str(e)
             event("refused: " + str(e).split(":", 2)[1].strip()[:30])

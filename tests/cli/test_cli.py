@@ -75,30 +75,41 @@ def test_help_lists_the_groups_of_a_config_dir(tmp_path):
     assert "fast" in lines["experiment"] and "wide" in lines["draft"] and "ngram" in lines["draft"]
 
 
-def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
-    import signal
+def stop_mid_run(out: Path, sig: int, preexec) -> tuple[subprocess.Popen, str]:
+    """Starts a long run into `out`, waits for its first finished request in the partial file, sends `sig`; the
+    process and its stderr."""
     import time
 
-    out = tmp_path / "run"
     partial = out / "completions.partial.jsonl"
-    out.mkdir()  # a folder a finished run used: its results must not pass for the stopped run's (resume skipped it)
-    (out / "metrics.json").write_text('{"tokens_per_s": 1.0}')
-    (out / "completions.jsonl").write_text('{"index": 0}\n')
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
                           "workload.max_new_tokens=300", "workload.batch_size=1", "draft=none",
                           f"hydra.run.dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     deadline = time.time() + 120
     while time.time() < deadline and (not partial.exists() or not partial.read_text().strip()):
         assert p.poll() is None, p.communicate()
         time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=60)
+    p.send_signal(sig)
+    return p, p.communicate(timeout=60)[1]
+
+
+def kept_requests(out: Path) -> list:
+    """The finished requests a stopped run kept: some, not all, and no metrics.json."""
+    recs = [json.loads(x) for x in (out / "completions.partial.jsonl").read_text().splitlines()]
+    assert recs and recs[0]["index"] == 0 and len(recs) < 12 and not (out / "metrics.json").exists()
+    return recs
+
+
+def test_ctrl_c_exits_130_and_keeps_the_finished_requests(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()  # a folder a finished run used: its results must not pass for the stopped run's (resume skipped it)
+    (out / "metrics.json").write_text('{"tokens_per_s": 1.0}')
+    (out / "completions.jsonl").write_text('{"index": 0}\n')
+    p, stderr = stop_mid_run(out, signal.SIGINT, default_sigint)
     assert p.returncode == 130, stderr[-2000:]
     assert "interrupted; the requests that had finished are in" in stderr and "Traceback" not in stderr
-    recs = [json.loads(x) for x in partial.read_text().splitlines()]
-    assert recs and recs[0]["index"] == 0 and len(recs) < 12 and not (out / "metrics.json").exists()
+    kept_requests(out)
     assert (out / "metrics.json.prev").read_text() == '{"tokens_per_s": 1.0}'  # set aside, not deleted
     assert (out / "completions.jsonl.prev").read_text() == '{"index": 0}\n'
 
@@ -111,26 +122,12 @@ def default_sigterm() -> None:
 def test_sigterm_keeps_the_finished_requests_and_says_how_to_resume_as_ctrl_c_does(tmp_path):
     """issue #46: SIGTERM (`kill`, `timeout`, a scheduler's stop) left the partial file but printed nothing (the
     process died by the signal); it now ends the run as Ctrl-C does, with exit status 143."""
-    import time
-
     out = tmp_path / "run"
-    partial = out / "completions.partial.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
-                          "workload.max_new_tokens=300", "workload.batch_size=1", "draft=none",
-                          f"hydra.run.dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=default_sigterm)
-    deadline = time.time() + 120
-    while time.time() < deadline and (not partial.exists() or not partial.read_text().strip()):
-        assert p.poll() is None, p.communicate()
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    stdout, stderr = p.communicate(timeout=60)
+    p, stderr = stop_mid_run(out, signal.SIGTERM, default_sigterm)
     assert p.returncode == 143, (p.returncode, stderr[-2000:])
     assert "specpipe: stopped by SIGTERM; the requests that had finished are in" in stderr, stderr[-2000:]
     assert f"resume=true hydra.run.dir={out}" in stderr and "Traceback" not in stderr
-    recs = [json.loads(x) for x in partial.read_text().splitlines()]
-    assert recs and recs[0]["index"] == 0 and len(recs) < 12 and not (out / "metrics.json").exists()
+    kept_requests(out)
 
 
 def test_a_run_refused_by_a_check_against_the_model_leaves_the_folders_earlier_results_in_place(tmp_path):
