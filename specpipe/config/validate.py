@@ -16,6 +16,7 @@ from specpipe.config.schema import WEIGHT_LAYOUTS as LAYOUTS
 from specpipe.config.stop_strings import check_stop, unescape
 
 MAX_SEED = 2 ** 63 - 1  # torch's generator seeds are 64-bit
+MAX_WEIGHT_SCALE = 10.0  # model.init_std / model.residual_scale (random_tiny): larger ones overflow fp16/fp32 logits
 # model.seed (random_tiny's weights) goes to torch.Generator.manual_seed, which takes negatives
 MIN_MODEL_SEED = -(2 ** 63)
 # allocator.host_to_device_ratio: the host pool is the device pool (>= batch_size hot buffers) x it
@@ -260,6 +261,11 @@ def _values(cfg: DictConfig, errors: list) -> None:
     if model_seed is not None and not MIN_MODEL_SEED <= model_seed <= MAX_SEED:
         errors.append(f"model.seed={model_seed} must be between -2**63 and 2**63-1 (it seeds the random model's "
                       f"weights)")
+    for key, least in (("init_std", "> 0"), ("residual_scale", ">= 0")):  # random_tiny's weight scales
+        v = cfg.model.get(key) if key in cfg.model else None
+        if v is not None and not ((v > 0 if least == "> 0" else v >= 0) and v <= MAX_WEIGHT_SCALE):  # (nan too)
+            errors.append(f"model.{key}={v} must be {least} and <= {MAX_WEIGHT_SCALE:g} (a scale of the random "
+                          f"model's weights: past it the logits overflow to inf)")
     if cfg.draft.get("path") is not None and draft_schema(cfg.draft).drafts_with == DRAFT_HEAD \
             and str(cfg.model.get("_target_", "")).endswith(".build_random_tiny"):
         own = " and ".join(f"draft={o}" for o, s in draft_schemas().items() if s.drafts_with == DRAFT_MODEL)

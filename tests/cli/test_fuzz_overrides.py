@@ -132,9 +132,8 @@ argv_safe = overrides(exclude=RUN_UNSAFE, max_size=3).map(lambda ovs: [o for o i
 
 @example(ovs=["model._target_=specpipe.run.torch.load"])  # issue #46 item 1: really called torch.load, exit 1
 @example(ovs=["allocator._target_=specpipe.allocators.swa.SWAAllocator"])  # item 5: a traceback
-# found by this fuzz (FUZZ_EXAMPLES=20000): validate() has no rule for random_tiny's init_std / residual_scale, so
-# nan or inf (or 1e300) builds NaN weights and every request fails ("the target's logits contained NaN or inf at
-# prefill"), exit 1 instead of a config error (exit 2)
+# found by this fuzz (FUZZ_EXAMPLES=20000): random_tiny's init_std / residual_scale had no range, so nan or inf (or
+# 1e300) built NaN weights and every request failed at prefill, exit 1; now a config error (exit 2)
 @example(ovs=["model.init_std=nan"])
 @given(ovs=argv_safe)
 @fuzz_settings("cli_subprocess", phases=[Phase.explicit, Phase.generate] + [Phase.shrink] * bool(LONG))

@@ -130,3 +130,12 @@ def test_allocator_rules_are_the_allocator_schemas_data(group):
         errors = str(e)
     assert ("the token allocator has page size 1" in errors) == (group == "token")
     assert ("cannot run with allocator=hisparse" in errors) == (group == "hisparse")
+
+
+@pytest.mark.parametrize("key,value", [("init_std", "nan"), ("init_std", "0"), ("init_std", "1e300"),
+                                       ("residual_scale", "-1"), ("residual_scale", "inf")])
+def test_the_random_models_weight_scales_are_checked(key, value):
+    """issue #46's fuzz found model.init_std=nan accepted: every request then failed at prefill (exit 1)."""
+    with pytest.raises(ConfigError, match=rf"model\.{key}=\S+ must be [>=]+ 0 and <= 10"):
+        validate(compose("model=random_tiny", f"model.{key}={value}"))
+    validate(compose("model=random_tiny", f"model.{key}=0.5"))
