@@ -70,8 +70,9 @@ class DraftConf:
 
     @classmethod
     def check(cls, d, errors: list) -> bool:
-        """Appends the settings out of range to `errors`; True when the tree's shape settings are in range (a
-        subclass then checks the tree they give)."""
+        """Appends the settings out of range to `errors`; True when the tree's shape settings are in range. A drafter
+        with a draft model (`drafts_with`) drafts a top-k tree, whose size those settings bound too (`check_tree`);
+        another drafter checks the shape its settings give in its own `check`."""
         ok = True
         for key, most in (("topk", MAX_TOPK), ("num_steps", MAX_STEPS)):
             if not 1 <= d[key] <= most:
@@ -81,6 +82,8 @@ class DraftConf:
             errors.append(f"draft.num_draft_tokens={d.num_draft_tokens} must be between 2 (the root plus at least one "
                           f"draft) and {MAX_TOPK}")
             ok = False
+        if ok and cls.drafts_with is not None:
+            check_tree(d, errors)
         return ok
 
 
@@ -106,13 +109,6 @@ class EagleDraftConf(DraftConf):
     @staticmethod
     def scratch_columns(num_steps: int) -> int:
         return num_steps - 1  # step 0 reuses the top-k of the head's extend
-
-    @classmethod
-    def check(cls, d, errors: list) -> bool:
-        ok = super().check(d, errors)
-        if ok:
-            check_tree(d, errors)
-        return ok
 
 
 def trie_matches(topk: int) -> int:
@@ -195,13 +191,6 @@ class StandaloneDraftConf(DraftConf):
     @staticmethod
     def scratch_columns(num_steps: int) -> int:
         return num_steps  # the root's forward takes a column too
-
-    @classmethod
-    def check(cls, d, errors: list) -> bool:
-        ok = super().check(d, errors)
-        if ok:
-            check_tree(d, errors)
-        return ok
 
 
 @dataclass

@@ -261,11 +261,11 @@ def _values(cfg: DictConfig, errors: list) -> None:
     if model_seed is not None and not MIN_MODEL_SEED <= model_seed <= MAX_SEED:
         errors.append(f"model.seed={model_seed} must be between -2**63 and 2**63-1 (it seeds the random model's "
                       f"weights)")
-    for key, least in (("init_std", "> 0"), ("residual_scale", ">= 0")):  # random_tiny's weight scales
+    for key, zero_ok in (("init_std", False), ("residual_scale", True)):  # random_tiny's weight scales
         v = cfg.model.get(key) if key in cfg.model else None
-        if v is not None and not ((v > 0 if least == "> 0" else v >= 0) and v <= MAX_WEIGHT_SCALE):  # (nan too)
-            errors.append(f"model.{key}={v} must be {least} and <= {MAX_WEIGHT_SCALE:g} (a scale of the random "
-                          f"model's weights: past it the logits overflow to inf)")
+        if v is not None and not ((v >= 0 if zero_ok else v > 0) and v <= MAX_WEIGHT_SCALE):  # (nan too)
+            errors.append(f"model.{key}={v} must be {'>=' if zero_ok else '>'} 0 and <= {MAX_WEIGHT_SCALE:g} (a "
+                          f"scale of the random model's weights: past it the logits overflow to inf)")
     if cfg.draft.get("path") is not None and draft_schema(cfg.draft).drafts_with == DRAFT_HEAD \
             and str(cfg.model.get("_target_", "")).endswith(".build_random_tiny"):
         own = " and ".join(f"draft={o}" for o, s in draft_schemas().items() if s.drafts_with == DRAFT_MODEL)
