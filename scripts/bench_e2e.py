@@ -8,6 +8,11 @@ the verify forward of the target, and everything else (host work: tree building,
     python scripts/bench_e2e.py --model random_tiny --batch 1 --max-new 64
     python scripts/bench_e2e.py --configs "draft.topk=1 draft.num_steps=5" \\
         "draft.topk=4 draft.num_steps=5 draft.num_draft_tokens=16"
+    python scripts/bench_e2e.py --model hf --model-args model.path=DIR --prompt-set code --configs draft=ngram
+
+A real checkpoint's folder (--model hf --model-args model.path=DIR) decodes the `chat` set by default when it
+has a chat template (--prompt-set: any workload.prompt_set). Without an EAGLE head (--model-args draft.path=HEAD
+gives one), the default configs leave out the EAGLE ones.
 """
 from __future__ import annotations
 
@@ -59,7 +64,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    ap.add_argument("--configs", nargs="+", default=None, help=f"default: {DEFAULT_CONFIGS}")
+    ap.add_argument("--prompt-set", default=None, help="workload.prompt_set (heldout, chat, code, ...); default: chat "
+                                                       "for a model with a chat template, else heldout")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,17 +76,22 @@ def main() -> None:
     from specpipe.devices.cpu import CpuDevice
 
     base = [f"model={args.model}", *args.model_args, f"workload.max_new_tokens={args.max_new}",
-            f"workload.num_prompts={args.prompts}", "workload.prompt_set=heldout"]
+            f"workload.num_prompts={args.prompts}"]
     cfg0 = compose_config(base)
     pair = load_pair(cfg0, cfg0.device.dtype, CpuDevice(cfg0.device.dtype))
-    print(f"model={args.model} threads={torch.get_num_threads()} prompts={args.prompts} max_new={args.max_new}")
+    chat = getattr(pair.tokenizer, "chat_template", None) is not None
+    prompt_set = args.prompt_set or ("chat" if chat else "heldout")
+    base.append(f"workload.prompt_set={prompt_set}")
+    configs = args.configs or [c for c in DEFAULT_CONFIGS if pair.draft is not None or c.startswith("draft=")]
+    print(f"model={args.model} threads={torch.get_num_threads()} prompts={args.prompts} ({prompt_set}) "
+          f"max_new={args.max_new}")
     header = f"{'batch':>5} | {'config':<58} | {'tok/s':>7} | {'ratio':>5} | {'AL':>4} | " \
              f"{'draft ms':>8} | {'verify ms':>9} | {'other ms':>8}"
     print(header)
     print("-" * len(header))
     for b in args.batch:
         rows = [("draft=none", base + [f"workload.batch_size={b}", "draft=none"])]
-        rows += [(c, base + [f"workload.batch_size={b}", *c.split()]) for c in args.configs]
+        rows += [(c, base + [f"workload.batch_size={b}", *c.split()]) for c in configs]
         baseline = None
         for name, ov in rows:
             m = measure(ov, pair, args.repeats)

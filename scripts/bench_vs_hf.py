@@ -31,6 +31,14 @@ position (a gap near 0 is an fp32 argmax tie between two numerically different p
     python scripts/bench_vs_hf.py                              # shipped pair, 1 thread (~8 min on 2 cores)
     python scripts/bench_vs_hf.py --threads 2                  # as in docs/bench/ (the latest in docs/performance.md)
     python scripts/bench_vs_hf.py --random                     # a random model of the same shape
+    python scripts/bench_vs_hf.py --model-dir ~/.cache/specpipe/SmolLM2-135M-Instruct-float32 --prompts 4 \
+        --max-new 32 --repeats 1 --eager-only --ngram-steps 4 --only "HF greedy" "prompt lookup" \
+        "specpipe draft=none" "specpipe draft=ngram"          # a real HF folder, a few rows
+
+--model-dir may also be one Hugging Face model folder (a real checkpoint, no EAGLE head): both engines then get the
+same token ids from the folder's own tokenizer, a chat set (--prompt-set chat or code, the default where the folder
+has a chat template) rendered with its chat template as transformers' apply_chat_template renders it, and the script
+stops before timing anything if specpipe's prompt ids differ from those. EOS is every id that ends a specpipe request.
 
 On a shared machine, watch the "load" column of the round lines: with --threads 2, another busy process
 slows HF's many small ops far more than its share (an aborted run saw HF batch-1 rows 3-10x slower).
@@ -54,7 +62,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PAD, EOS = 256, 257  # the byte-level pair: ids 0..255 are UTF-8 bytes, 256 BOS (used as pad here), 257 EOS
+# the byte-level pair: ids 0..255 are UTF-8 bytes, 256 BOS (used as pad here), 257 EOS; a real folder's own are set
+# by `prompt_ids` (pad: its pad token, else its first EOS; stops: every id that ends a specpipe request)
+TOKENS = {"pad": 256, "stops": (257,)}
 # the model forwards under torch.compile (inductor, dynamic shapes): compiled once per loaded model in the warm-up
 # round, reused by every later run on it; the rest of the pipeline as in the eager rows
 COMPILED = "compiled forwards"
@@ -117,31 +127,84 @@ class ForwardCounter:
         self.n += 1
 
 
+# ---------------------------------------------------------------------------------------- prompts
+
+def prompt_ids(tokenizer, target_dir: Path, items: list[dict], prompt_set: str):
+    """Each prompt's ids as HF gets them, and how a mismatch line shows a token id; sets TOKENS (pad, stops).
+
+    The byte-level pair: the raw UTF-8 bytes with no BOS (what specpipe's byte tokenizer gives). A folder with a
+    tokenizer.json: transformers' own tokenizer of the folder, so the reference does not lean on specpipe's
+    tokenizer or template code (`check_same_ids` then holds specpipe to these ids): a chat through
+    apply_chat_template(add_generation_prompt=True), a plain prompt through tokenizer(prompt)."""
+    from specpipe.workload.tokenizer import ByteTokenizer, stop_token_ids
+
+    bad = next((it["error"] for it in items if "error" in it), None)
+    if bad:
+        raise SystemExit(f"--prompt-set {prompt_set}: {bad}")
+    stops = stop_token_ids(tokenizer)
+    TOKENS["stops"] = tuple(stops) if isinstance(stops, (list, tuple)) else (stops,)
+    if isinstance(tokenizer, ByteTokenizer):
+        if any("messages" in it for it in items):
+            raise SystemExit(f"--prompt-set {prompt_set} holds chats, and {target_dir} has a byte-level tokenizer "
+                             f"with no chat template: use --prompt-set heldout, or --model-dir with a folder that "
+                             f"has a chat template")
+        TOKENS["pad"] = 256
+        return [list(it["prompt"].encode("utf-8")) for it in items], (lambda t: t)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    TOKENS["pad"] = tok.pad_token_id if tok.pad_token_id is not None else TOKENS["stops"][0]
+    ids = [list(tok.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
+           if "messages" in it else list(tok(it["prompt"])["input_ids"]) for it in items]
+    return ids, (lambda t: f"{t} {tok.decode([t])!r}")
+
+
+def check_same_ids(pair, base: list[str], prompts: list[list[int]], show) -> None:
+    """Stops the benchmark unless specpipe, run on the same set, tokenizes every prompt to HF's ids: outputs of
+    different inputs would compare as garbage mismatches. One prefill per prompt, one new token."""
+    from specpipe.run import run
+
+    res = run(compose_once(base + [f"workload.num_prompts={len(prompts)}", "workload.max_new_tokens=1",
+                                   "draft=none"]), quiet=True, pair=pair)
+    for i, (r, want) in enumerate(zip(res["requests"], prompts)):
+        if r.error:
+            raise SystemExit(f"specpipe cannot run prompt {i}: {r.error}")
+        if list(r.prompt_ids) != want:
+            same = min(len(want), len(r.prompt_ids))
+            at = next((j for j, (x, y) in enumerate(zip(r.prompt_ids, want)) if x != y), same)
+            raise SystemExit(f"prompt {i}: specpipe's ids differ from HF's at position {at} (of {len(want)} HF, "
+                             f"{len(r.prompt_ids)} specpipe ids): HF {[show(t) for t in want[at:at + 3]]}, specpipe "
+                             f"{[show(t) for t in r.prompt_ids[at:at + 3]]}")
+
+
 # ---------------------------------------------------------------------------------------- HF side
 
 def hf_config(max_new: int, **extra):
     from transformers import GenerationConfig
 
     # everything explicit: no sampling, no length/repetition processors, no model-folder defaults
+    stops = TOKENS["stops"]
     return GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=None, min_length=0,
                             temperature=None, top_p=None, top_k=None, repetition_penalty=None,
-                            no_repeat_ngram_size=None, num_beams=1, eos_token_id=EOS, pad_token_id=PAD,
+                            no_repeat_ngram_size=None, num_beams=1, pad_token_id=TOKENS["pad"],
+                            eos_token_id=stops[0] if len(stops) == 1 else list(stops),
                             bos_token_id=None, use_cache=True, **extra)
 
 
 def cut(ids: list, max_new: int) -> list:
     """The output up to and including the first EOS, at most max_new tokens."""
     ids = ids[:max_new]
-    return ids[:ids.index(EOS) + 1] if EOS in ids else ids
+    end = next((i for i, t in enumerate(ids) if t in TOKENS["stops"]), None)
+    return ids if end is None else ids[:end + 1]
 
 
 def hf_generate(model, prompts: list[list[int]], batch: int, max_new: int, gen: dict) -> list[list[int]]:
-    """Greedy outputs per prompt; batches are left-padded with PAD and masked."""
+    """Greedy outputs per prompt; batches are left-padded with the pad id and masked."""
     outs = []
     for s in range(0, len(prompts), batch):
         chunk = prompts[s:s + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in chunk])
+        ids = torch.tensor([[TOKENS["pad"]] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         kwargs = dict(gen)
         cfg = hf_config(max_new, **kwargs.pop("config", {}))
@@ -209,10 +272,13 @@ class Method:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=str(ROOT / "specpipe" / "assets" / "tiny"),
-                    help="folder with target/ (and eagle/) HF folders")
+                    help="folder with target/ (and eagle/) HF folders, or one HF model folder (a real checkpoint)")
     ap.add_argument("--random", action="store_true", help="use a random model of the shipped shape (saved to a temp "
                                                           "folder) instead of --model-dir")
-    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts (the first N)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts of --prompt-set (the first N)")
+    ap.add_argument("--prompt-set", choices=["heldout", "chat", "code"], default=None,
+                    help="specpipe's built-in set (workload.prompt_set); default: chat for a folder with a chat "
+                         "template, else heldout")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8, help="the batched size (batch 1 is always run)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds over all methods; each keeps its best")
@@ -226,6 +292,8 @@ def main() -> None:
                     help="leave out the rows with compiled model forwards "
                          "(their warm-up compiles for a minute or more)")
     ap.add_argument("--skip", nargs="*", default=[], help="method names containing any of these are skipped")
+    ap.add_argument("--only", nargs="*", default=[], help="only method names containing one of these run (HF greedy "
+                                                          "batch 1, the reference, always runs)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -236,30 +304,36 @@ def main() -> None:
 
     from specpipe.models.hf.load import load_hf
     from specpipe.workload.prompts import load_prompts
+    from specpipe.workload.tokenizer import ByteTokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_vs_hf_"))
     atexit.register(shutil.rmtree, tmp, True)  # the truncated draft (and --random model) folders
-    model_dir = Path(args.model_dir)
-    note = "shipped trained pair"
-    if args.random or not (model_dir / "target" / "model.safetensors").is_file():
+    model_dir = Path(args.model_dir).expanduser()
+    one_folder = not args.random and (model_dir / "config.json").is_file()  # a real checkpoint: no target/, no head
+    note = f"{model_dir.name} (HF folder)" if one_folder else "shipped trained pair"
+    if not one_folder and (args.random or not (model_dir / "target" / "model.safetensors").is_file()):
         if not args.random:
             print(f"!! {model_dir / 'target' / 'model.safetensors'} not found: using a RANDOM model of the same shape")
         layers = json.loads((model_dir / "target" / "config.json").read_text())["num_hidden_layers"] \
             if (model_dir / "target" / "config.json").is_file() else 10
         model_dir = save_random(tmp / "random", layers)
         note = "RANDOM model (untrained) of the shipped shape"
-    target_dir, eagle_dir = model_dir / "target", model_dir / "eagle"
+    target_dir, eagle_dir = (model_dir, None) if one_folder else (model_dir / "target", model_dir / "eagle")
     draft_dir = save_truncated(target_dir, tmp / f"draft_{args.draft_layers}l", args.draft_layers)
 
-    items = load_prompts(None, "heldout", args.prompts)
-    prompts = [list(it["prompt"].encode("utf-8")) for it in items]
+    pair = load_hf(target_dir, eagle_dir if eagle_dir and (eagle_dir / "config.json").is_file() else None,
+                   dtype="float32", name="bench")
+    prompt_set = args.prompt_set or ("chat" if getattr(pair.tokenizer, "chat_template", None) else "heldout")
+    items = load_prompts(None, prompt_set, args.prompts)
+    prompts, show = prompt_ids(pair.tokenizer, target_dir, items, prompt_set)
     N, M, B = len(prompts), args.max_new, args.batch
+    base = ["model=hf", f"model.path={target_dir}", f"workload.prompt_set={prompt_set}"]
+    check_same_ids(pair, base, prompts, show)
 
-    hf = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    hf_class = AutoModelForCausalLM if one_folder else LlamaForCausalLM
+    hf = hf_class.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
     counter = ForwardCounter(hf)
-    pair = load_hf(target_dir, eagle_dir if (eagle_dir / "config.json").is_file() else None, dtype="float32",
-                   name="bench")
     try:
         import subprocess
         rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
@@ -272,15 +346,15 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f}, {torch.get_num_threads()} torch thread(s), torch "
           f"{torch.__version__}, transformers {transformers.__version__} | model: {note}: {cfgm['num_hidden_layers']} "
           f"layers, hidden {cfgm['hidden_size']}, {nparams / 1e6:.1f}M params, fp32 | draft model: first "
-          f"{args.draft_layers} layer(s) | {N} held-out prompts ({min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"bytes), max_new_tokens={M}, best of {args.repeats} | specpipe git {rev}", flush=True)
+          f"{args.draft_layers} layer(s) | {N} {'held-out' if prompt_set == 'heldout' else repr(prompt_set)} "
+          f"prompts ({min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"{'bytes' if isinstance(pair.tokenizer, ByteTokenizer) else 'tokens'}), max_new_tokens={M}, best of "
+          f"{args.repeats} | specpipe git {rev}", flush=True)
 
     def hf_fn(batch, gen):
         def f(n_prompts=N, max_new=M):
             return hf_generate(hf, prompts[:n_prompts], batch, max_new, gen), None, None
         return f
-
-    base = ["model=hf", f"model.path={target_dir}", "workload.prompt_set=heldout"]
 
     def sp_fn(batch, overrides):
         def args_for(n_prompts, max_new):
@@ -309,7 +383,7 @@ def main() -> None:
                hf_fn(1, {"config": {"assistant_early_exit": args.draft_layers}}), "hf_assisted",
                al_from_forwards=True),
     ]
-    for b in (1, B):
+    for b in dict.fromkeys((1, B)):  # (batch 1 once when --batch 1)
         if b != 1:
             methods.append(Method("HF greedy", b, hf_fn(b, {}), "hf_greedy"))
         methods.append(Method("specpipe draft=none", b, sp_fn(b, ["draft=none"]), "sp"))
@@ -335,16 +409,18 @@ def main() -> None:
                                       sp_fn(b, ["draft=eagle", *c.split(), *compiled,
                                                 *((SPEC_COMPILED + DRAFT_COMPILED) if compiled else [])]), "sp",
                                       "hf_draft_assisted"))
-    for b in (1, B):  # last: run() keeps the standalone model on the pair once loaded
+    for b in dict.fromkeys((1, B)):  # last: run() keeps the standalone model on the pair once loaded
         methods.append(Method(f"specpipe draft=standalone (num_steps={args.standalone_steps})", b,
                               sp_fn(b, ["draft=standalone", f"draft.path={draft_dir}",
                                         f"draft.num_steps={args.standalone_steps}"]), "sp", "hf_draft_assisted"))
-    methods = [m for m in methods if not any(s in m.name for s in args.skip)]
+    methods = [m for m in methods if not any(s in m.name for s in args.skip) and (
+        not args.only or any(s in m.name for s in args.only) or (m.kind == "hf_greedy" and m.batch == 1))]
 
     # HF assisted generation at batch > 1: try it (B prompts, 4 tokens) and report what happens
     hf_batched = {}
+    probe = B > 1 and any(m.kind in ("hf_pld", "hf_assisted") for m in methods)  # (not when --only drops them)
     for name, gen in (("prompt lookup", {"config": {"prompt_lookup_num_tokens": 10}}),
-                      ("draft model", {"assistant_model": hf_draft})):
+                      ("draft model", {"assistant_model": hf_draft})) if probe else ():
         try:
             hf_generate(hf, prompts[:B], B, 4, gen)
             hf_batched[name] = "ran"
@@ -401,11 +477,11 @@ def main() -> None:
         with torch.no_grad():
             logits = hf(torch.tensor([prompts[i] + a[:p]])).logits[0, -1]
         top = torch.topk(logits, 2)
-        got = b[p] if p < len(b) else "end"
-        want = a[p] if p < len(a) else "end"
+        got = show(b[p]) if p < len(b) else "end"
+        want = show(a[p]) if p < len(a) else "end"
         print(f"  {m.name} (batch {m.batch}) prompt {i}: first difference at output token {p}: HF greedy {want}, "
               f"this {got}; HF fp32 logits there: top1-top2 gap {float(top.values[0] - top.values[1]):.2e} "
-              f"(top-2 ids {top.indices.tolist()})")
+              f"(top-2 ids {[show(t) for t in top.indices.tolist()]})")
 
     # ---- the table
     def best_of(kind, batch=1):

@@ -62,8 +62,9 @@ def main() -> None:
             for lay in layouts:
                 print(f"{draft:>5} | {b:5d} | {lay:>6} | {best[lay]:8.1f} | {best[lay] / best['row']:5.2f}x | "
                       f"{'yes' if outs[lay] == outs['row'] else 'NO'}")
-            print("        auto chose: " + ", ".join(f"{k} {v['layout']} (row {v['us']['row']} / column "
-                                                    f"{v['us']['column']} µs)" for k, v in report.items()))
+            def timings(v):  # a tied head or a kept layout has no timings for every layout
+                return " / ".join(f"{lay} {us}" for lay, us in v.get("us", {}).items()) or "not timed"
+            print("        auto chose: " + ", ".join(f"{k} {v['layout']} ({timings(v)} µs)" for k, v in report.items()))
 
 
 if __name__ == "__main__":

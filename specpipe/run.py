@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from specpipe.allocators.base import allocator_class, build_allocator
 from specpipe.config.build import build
-from specpipe.config.schema import SAMPLING_RULES, draft_schema
+from specpipe.config.schema import PROMPT_SET_NAMES, SAMPLING_RULES, draft_schema
 from specpipe.config.validate import run_stop_strings, validate
 from specpipe.decode.metrics import Metrics, recompile_count, recompile_limit_hits
 from specpipe.decode.plain import PlainPipeline
@@ -109,8 +109,9 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     if proposer is None:
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling, wrap)
     else:
+        policy = get_class(cfg.speculation._target_).build(cfg, d.num_draft_tokens, d.num_steps)
         pipe = SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
-                            d.num_steps, d.num_draft_tokens, wrap, sampling)
+                            d.num_steps, d.num_draft_tokens, wrap, sampling, policy)
     pipe.logprobs = bool(cfg.workload.get("logprobs"))
     pipe.unapplied_policies = unapplied_policies(cfg, wrap.asked)
     plan_rounds(cfg, pipe, proposer)
@@ -127,6 +128,8 @@ def plan_rounds(cfg: DictConfig, pipe, proposer) -> None:
         key, why = unapplied
         log.info(f"specpipe: note: {key}: {why}")
         pipe.unapplied_policies.append(key)
+    if getattr(getattr(pipe, "verify", None), "wrapped", ()):  # a compiled verify: trees at a few widths only
+        pipe.policy.bucketed(pipe.N)
     if "round" in getattr(getattr(pipe, "verify", None), "wrapped", ()):
         why = pipe.verify_round_problem()
         pipe.fused_verify = not why
@@ -184,15 +187,17 @@ def build_kv(job: Job):
                           f"workload), fewer workload.batch_size or workload.max_new_tokens") from None
 
 
-def prepare(cfg: DictConfig, pair, items: list[dict], earlier: list) -> Job:
+def prepare(cfg: DictConfig, pair, items: list[dict], earlier: list, built_in: bool = False) -> Job:
     """Load (or reuse) the model pair, check the settings it bounds, and turn the items into requests; those a
-    stopped run finished (`earlier`, resume=true) are carried over."""
+    stopped run finished (`earlier`, resume=true) are carried over. `built_in`: the items are a built-in set."""
     device = build(cfg.device, "device")
     dtype = model_dtype(cfg)
     if pair is None:
         pair = load_pair(cfg, dtype, device)
     ensure_draft_model(cfg, pair, dtype, device)
     check_against_model(cfg, pair)
+    if built_in:
+        check_chat_set(cfg, pair, items)
     job_cfg = cfg
     cfg, sampling_source = model_sampling(cfg, pair)  # (the values it took are in the `sampling` metric)
     cfg = allocator_class(cfg).fit_model(cfg, pair)
@@ -207,6 +212,17 @@ def prepare(cfg: DictConfig, pair, items: list[dict], earlier: list) -> Job:
     digest = model_files_digest(folders)
     carried = carry_finished(earlier, job_cfg, items, reqs, c.vocab_size, digest)
     return Job(cfg, job_cfg, sampling_source, device, pair, items, reqs, drafting, folders, digest, carried, ignored)
+
+
+def check_chat_set(cfg: DictConfig, pair, items: list[dict]) -> None:
+    """A built-in set of chats on a model without a chat template: a config error before decoding, not a failed
+    request per prompt."""
+    w = cfg.workload
+    if any("messages" in it for it in items) and getattr(pair.tokenizer, "chat_template", None) is None:
+        plain = " or ".join(f"workload.prompt_set={n}" for n in PROMPT_SET_NAMES if n not in ("chat", "code"))
+        raise ConfigError(f"workload.prompt_set={w.prompt_set} holds chats, and this model has no chat template to "
+                          f"turn them into prompts (model={cfg.model.get('path') or 'the shipped pair'}); use a "
+                          f"plain set ({plain}) or a chat model (model=hf model.path=DIR)")
 
 
 def open_partial(job: Job, out_dir: Optional[str]) -> Optional[PartialCompletions]:
@@ -292,9 +308,10 @@ def run(cfg: DictConfig, out_dir: Optional[str] = None, quiet: bool = False, pai
     earlier = read_partial(out_dir) if cfg.resume and out_dir is not None else []
     if cfg.resume and out_dir is not None and not earlier:
         log.info(f"resume: {out_dir} holds no {PARTIAL} of a stopped run, so every request runs")
+    built_in = items is None and cfg.workload.prompts_file is None
     if items is None:
         items = load_prompts(cfg.workload.prompts_file, cfg.workload.prompt_set, cfg.workload.num_prompts)
-    job = prepare(cfg, pair, items, earlier)
+    job = prepare(cfg, pair, items, earlier, built_in)
     allocator = build_kv(job)
     seed_requests(job.cfg, job.reqs, items)
     pipe, summary, limit_hits, layout = decode(job, allocator, out_dir, quiet, on_step, keep)

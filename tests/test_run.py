@@ -542,3 +542,12 @@ def test_typo_checks_run_once_per_column_not_per_line(tmp_path, monkeypatch):
     items = read_prompts_file(str(path))
     assert all(it["ignored_fields"] == {"max_new_tokenz": "max_new_tokens"} for it in items)
     assert len(calls) <= 2, f"{len(calls)} typo checks for 2 columns"
+
+
+def test_a_chat_set_on_a_model_without_a_chat_template_is_a_config_error():
+    from specpipe.errors import ConfigError
+    from specpipe.run import run
+    from helpers import compose
+
+    with pytest.raises(ConfigError, match="workload.prompt_set=chat holds chats"):
+        run(compose("model=tiny", "workload.prompt_set=chat", "workload.num_prompts=1"), quiet=True)

@@ -15,6 +15,7 @@ from omegaconf import MISSING
 
 from specpipe.config.drafts import (DRAFT_HEAD, DRAFT_MODEL, DraftConf, EagleDraftConf, NgramDraftConf,  # noqa: F401
                                     NoDraftConf, StandaloneDraftConf, SuffixDraftConf, draft_schema, draft_schemas)
+from specpipe.config.speculation import SPECULATION_SCHEMAS, speculation_schema  # noqa: F401
 
 
 # ---- device -----------------------------------------------------------------------------
@@ -24,12 +25,12 @@ class DeviceConf:
     dtype: str = "float32"  # float32 | float64 | bfloat16 | float16
     index: int = 0  # accelerator index (cuda:N / npu:N)
     num_threads: Optional[int] = None  # torch CPU threads (None: torch's default, one per core)
-    # Linear weight storage: auto (CPU: time row- vs column-major per shape, keep the faster; elsewhere
-    # row) | row (HF's layout) | column (devices/weight_layout.py)
+    # Linear weight storage: auto (CPU: time row- vs column-major and oneDNN-packed per shape, keep the fastest;
+    # elsewhere row) | row (HF's layout) | column | packed (CPU: oneDNN's blocked copy) (devices/weight_layout.py)
     weight_layout: str = "auto"
 
 
-WEIGHT_LAYOUTS = ("auto", "row", "column")  # DeviceConf.weight_layout values
+WEIGHT_LAYOUTS = ("auto", "row", "column", "packed")  # DeviceConf.weight_layout values (packed: CPU only, else row)
 
 
 @dataclass
@@ -194,7 +195,15 @@ class CompileConf:
 
 
 # ---- workload ---------------------------------------------------------------------------
-PROMPT_SET_NAMES = ("heldout", "code")  # workload.prompt_set: the built-in sets (specpipe/workload/prompts.py)
+# workload.prompt_set: the built-in sets (specpipe/workload/prompts.py) and what each is for, which an unknown name's
+# error lists: chats need a model with a chat template (the shipped byte-level pair has none)
+PROMPT_SET_HELP = {
+    "heldout": "code contexts the shipped byte-level pair never saw",
+    "chat": "everyday assistant requests, as chats for a model with a chat template",
+    "code": "programming requests (most carry code), as chats for a model with a chat template",
+    "code_prefixes": "short Python prefixes to continue, for any model",
+}
+PROMPT_SET_NAMES = tuple(PROMPT_SET_HELP)
 
 
 @dataclass
@@ -265,6 +274,7 @@ class Config:
     draft: Any = MISSING
     compile: Any = MISSING
     workload: Any = MISSING
+    speculation: Any = MISSING  # how much of each draft tree a step verifies (config/speculation.py)
     sampling: SamplingConf = field(default_factory=SamplingConf)
     seed: int = 0
     # skip a job whose output dir holds metrics.json from the same config; a stopped one decodes only the requests it
@@ -284,6 +294,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"random_tiny": RandomTinyModelConf, "hf": HFModelConf, "tiny": TinyModelConf},
     "compile": {"policy": CompileConf},
     "workload": {"workload": WorkloadConf},
+    "speculation": SPECULATION_SCHEMAS,
 }
 
 

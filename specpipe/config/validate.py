@@ -10,8 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 from specpipe.config.build import target_problems
 from specpipe.config.compile_policy import PolicyError, device_problem, parse_policy
 from specpipe.errors import ConfigError
-from specpipe.config.schema import (DRAFT_HEAD, DRAFT_MODEL, PROMPT_SET_NAMES, SAMPLING_RULES, draft_schema,
-                                    draft_schemas)
+from specpipe.config.schema import (DRAFT_HEAD, DRAFT_MODEL, PROMPT_SET_HELP, PROMPT_SET_NAMES, SAMPLING_RULES,
+                                    draft_schema, draft_schemas, speculation_schema)
 from specpipe.config.schema import WEIGHT_LAYOUTS as LAYOUTS
 from specpipe.config.stop_strings import check_stop, unescape
 
@@ -135,6 +135,7 @@ def validate(cfg: DictConfig) -> None:
     _targets(cfg, errors)
     _device(cfg, errors)
     _draft(cfg.draft, errors)
+    speculation_schema(cfg.speculation).check(cfg.speculation, errors)
     _compile(cfg, errors)
     _workload(cfg, errors)
     _allocator(cfg, errors)
@@ -175,7 +176,8 @@ def _device(cfg: DictConfig, errors: list) -> None:
     layout = cfg.device.get("weight_layout", "auto")
     if layout not in LAYOUTS:
         errors.append(f"device.weight_layout={layout!r} is not valid: use one of {', '.join(LAYOUTS)} (auto times "
-                      "row- and column-major storage per weight shape on CPU and keeps the faster)")
+                      "row-major, column-major and oneDNN-packed storage per weight shape on CPU and keeps the "
+                      "fastest; packed runs as row on other devices)")
     if cfg.device.get("num_threads") is not None and cfg.device.num_threads < 1:
         errors.append(f"device.num_threads={cfg.device.num_threads} must be >= 1 (or null for torch's default)")
     elif cfg.device.get("num_threads") is not None and cfg.device.num_threads > MAX_THREADS:
@@ -197,7 +199,8 @@ def _workload(cfg: DictConfig, errors: list) -> None:
     if w.num_prompts is not None and w.num_prompts < 1:
         errors.append(f"workload.num_prompts={w.num_prompts} must be >= 1 or null (all prompts)")
     if w.prompts_file is None and w.prompt_set not in PROMPT_SET_NAMES:
-        errors.append(f"workload.prompt_set={w.prompt_set!r} is unknown (valid: {', '.join(PROMPT_SET_NAMES)})")
+        errors.append(f"workload.prompt_set={w.prompt_set!r} is unknown (valid: "
+                      f"{'; '.join(f'{k}: {v}' for k, v in PROMPT_SET_HELP.items())})")
     if w.prompts_file == "-":  # standard input, read when the run starts
         pass
     elif w.prompts_file is not None and (not Path(w.prompts_file).exists() or Path(w.prompts_file).is_dir()):

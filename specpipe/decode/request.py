@@ -22,6 +22,11 @@ class Request:
     stop_ids: frozenset = frozenset()  # its own "stop_token_ids", which end it as the model's EOS ids do
     sampling: Optional[tuple] = None  # its own (temperature, top_p, top_k, repetition_penalty, min_p); None: the run's
     logprobs: Optional[list] = None  # with workload.logprobs: each output token's raw target log-probability
+    speculate: bool = True  # a prompt's "speculate": false decodes it plainly (one token per step)
+    max_spec_tokens: Optional[int] = None  # a prompt's own cap on the draft tokens it verifies per step
+    num_draft_tokens: int = 0  # draft tokens verified for it (vLLM's name)
+    num_accepted_tokens: int = 0  # of which accepted
+    accept_histogram: list = field(default_factory=list)  # [i]: its rounds that accepted i drafts
 
     @property
     def context_ids(self) -> list:

@@ -26,7 +26,8 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
     sets some."""
     reqs = []
     for i, it in enumerate(items):
-        r = Request(i, it.get("prompt", ""), [], it.get("max_new_tokens", max_new_tokens))
+        r = Request(i, it.get("prompt", ""), [], it.get("max_new_tokens", max_new_tokens),
+                    speculate=it.get("speculate", True), max_spec_tokens=it.get("max_spec_tokens"))
         own = it.get("sampling")
         if own:
             r.sampling = tuple(own.get(k, v) for k, v in zip(SAMPLING_RULES, sampling))

@@ -6,13 +6,17 @@ The step has one host sync: reading the committed tokens to check stop condition
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
 from specpipe.decode.pipeline import Pipeline
+from specpipe.stages.tree_layout import tree_from_parents
+from specpipe.speculation.static import StaticPolicy
 from specpipe.stages.draft_scratch import scratch_tokens_per_request
 from specpipe.stages.padding import bucket
 from specpipe.stages.prepare_decode import OutOfKVMemory
@@ -22,11 +26,14 @@ from specpipe.stages.verify_sampling import VerifySampling
 
 class SpecPipeline(Pipeline):
     def __init__(self, target, proposer, allocator, device, max_requests, max_context, eos_token_id, metrics,
-                 num_steps: int, num_draft_tokens: int, wrap, sampling=None):
+                 num_steps: int, num_draft_tokens: int, wrap, sampling=None, policy=None):
         super().__init__(target, allocator, device, max_requests, max_context, eos_token_id, metrics, sampling)
         self.S, self.N = num_steps, num_draft_tokens
+        self.policy = policy if policy is not None else StaticPolicy(OmegaConf.create({}), num_draft_tokens,
+                                                                         num_steps)
         self.growth = num_draft_tokens
         self.proposer = proposer
+        proposer.report_conf = self.policy.compact  # the trimming policies rank nodes by it
         self.fused_verify = False  # rounds verify through one `verify.round` call (run.plan_rounds decides)
         # the draft flags verify.round reads for drafters that raise none (n-gram, suffix): sliced, never allocated
         # per round
@@ -57,10 +64,24 @@ class SpecPipeline(Pipeline):
         per_request = scratch_tokens_per_request(self.prep.ps, self.proposer.K, self.proposer.scratch_width)
         return batch_size * per_request
 
-    def tree_slots(self, rows_t, L, L_t) -> tuple[Tensor, Tensor]:
+    def tree_slots(self, rows_t, L, L_t, N: int) -> tuple[Tensor, Tensor]:
         """The tree's slots (node j at table position L_b + j) [B, N] and the table columns the verify reads [B, Lv]."""
-        return (self.prep.slots(rows_t, L_t, self.N),
-                self.prep.slots(rows_t, torch.zeros_like(L_t), bucket(L.max() + self.N)))
+        return (self.prep.slots(rows_t, L_t, N),
+                self.prep.slots(rows_t, torch.zeros_like(L_t), bucket(L.max() + N)))
+
+    def draft(self, rows_t, L, L_t):
+        """The round's tree as the speculation policy shapes it, its draft probabilities and node confidences
+        (`Proposer.node_conf`, host [B, N] or None): no drafting at all when no request may draft this step."""
+        pol = self.policy
+        limits = pol.limits(self.reqs, L)
+        if pol.skip_draft(limits):
+            pol.skipped_step()
+            self.proposer.bad = None
+            root = self.last_token[:, None]  # [B, 1]: a plain step through the verify
+            return tree_from_parents(root, torch.full_like(root, -1), L_t, self.S), None, None
+        self.proposer.node_conf = None
+        tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
+        return pol.shape(tree, draft_probs, self.proposer.node_conf, limits, L_t)
 
     def verify_round_problem(self) -> str:
         """Why greedy rounds cannot verify through one `verify.round` call in this run ('' when they can)."""
@@ -101,13 +122,17 @@ class SpecPipeline(Pipeline):
         L_t = torch.from_numpy(L).to(self.dev)
         if self.sampling.penalized:  # contexts hold the cached tokens and the root (drafts are path tokens)
             self.sampling.limit(int(L.max()) + 1)
+        t_draft = time.perf_counter()
         with m.stage("draft"):
-            tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
+            tree, draft_probs, conf = self.draft(rows_t, L, L_t)
+        self.policy.verify_begins()
+        draft_s = self.policy.t_verify - t_draft
+        N = tree.tokens.shape[1]  # the verify width this step
         fused = self.fused_verify
         with m.stage("prepare_decode"):
             if not self.prep.reserve(self.rows, np.full(B, N, dtype=np.int64)):
                 raise OutOfKVMemory("KV pool exhausted before verify")
-            vslots, kv_slots = self.tree_slots(rows_t, L, L_t)
+            vslots, kv_slots = self.tree_slots(rows_t, L, L_t, N)
         with m.stage("verify"):
             if fused:
                 bad = self.proposer.bad if self.proposer.bad is not None else self.no_draft_flags[:B]
@@ -131,6 +156,8 @@ class SpecPipeline(Pipeline):
             kept = np.asarray([self.commit_request(r, h, None if lps is None else lps[i])
                                for i, (r, h) in enumerate(zip(self.reqs, host))])
             m.record_round([h[0] for h in host], [h[S + 2: 2 * S + 2] for h in host], [h[-3] for h in host])
+            for r, h in zip(self.reqs, host):
+                count_request(r, h[0], h[-3])
             kept_t = torch.from_numpy(kept).to(self.dev)
             if not all(h[-2] for h in host):  # (kept <= count + 1: a request stopped early keeps fewer)
                 # entries that need no move copy a slot onto itself, so the copy has a fixed size (no
@@ -152,6 +179,8 @@ class SpecPipeline(Pipeline):
                 self.proposer.after_verify(self, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
                 self.last_token = old_last.clone()
                 self.last_token[u] = commit[u].gather(1, (kept_t[u] - 1)[:, None])[:, 0]
+        self.policy.observe(tree, conf, np.asarray([h[0] for h in host]),
+                            np.asarray([h[S + 2: 2 * S + 2] for h in host]), L, draft_s)
         self.drop_finished()
         m.num_verify_steps += 1
         return retracted
@@ -164,3 +193,12 @@ class SpecPipeline(Pipeline):
             self.fail(req, f"the {who}'s logits contained NaN or inf; this request was stopped")
             return 0
         return self.append_tokens(req, h[1: h[0] + 2], logprobs)
+
+
+def count_request(r, accepted: int, drafted: int) -> None:
+    """A request's own telemetry for one round: draft tokens verified, accepted, and its histogram."""
+    r.num_draft_tokens += drafted
+    r.num_accepted_tokens += accepted
+    if len(r.accept_histogram) <= accepted:
+        r.accept_histogram.extend([0] * (accepted + 1 - len(r.accept_histogram)))
+    r.accept_histogram[accepted] += 1

@@ -150,6 +150,7 @@ class Device:
     allocator_kernels = "torch"  # which allocator kernels pay on this device
     default_dtype = "float32"
     times_weight_layout = False  # weight_layout=auto times both layouts (CPU GEMMs); else it keeps HF's (row)
+    packs_weights = False  # it runs oneDNN-packed Linear weights (weight_layout=packed; else that keeps row)
     host_memory = False  # its tensors are host memory: host code (numpy) reads them in place, with no copy or sync
 
     def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None,
@@ -179,16 +180,31 @@ class Device:
         `rows`: the row counts the decode loop's forwards use. Returns the choices, per weight shape."""
         from specpipe.devices.weight_layout import lay_out_weights
 
-        mode = self.weight_layout
+        mode, note = self.weight_layout, None
         if mode == "auto" and not self.times_weight_layout:
             mode = "row"
-        return lay_out_weights(models, mode, rows)
+        if mode == "packed" and not self.packs_weights:
+            mode, note = "row", (f"device.weight_layout=packed: device {self.name} has no oneDNN packed linear (a CPU "
+                                 f"kernel), so the weights stay row-major")
+            log.info(f"specpipe: note: {note}")
+        self.layout_report = lay_out_weights(models, mode, rows, packs=self.packs_weights)
+        for entry in self.layout_report.values() if note else ():
+            entry["note"] = note
+        return self.layout_report
 
     def freeze_weight_layouts(self, models) -> None:
-        """A model forward was compiled on these weights: later runs keep their layout (devices/weight_layout.py)."""
-        from specpipe.devices.weight_layout import freeze_layouts
+        """A model forward was compiled on these weights: later runs keep their layout, and packed weights are
+        unpacked first, as no compiled forward runs them (devices/weight_layout.py); the run's report says so."""
+        from specpipe.devices.weight_layout import COMPILED_NOTE, freeze_layouts
 
-        freeze_layouts(models)
+        unpacked = freeze_layouts(models)
+        report = getattr(self, "layout_report", None) or {}
+        for key, layout in unpacked.items():
+            if key in report:
+                report[key].update(layout=layout, compiled=True)
+        if unpacked and self.weight_layout == "packed":  # (auto records it in the report only)
+            log.info(f"specpipe: note: device.weight_layout=packed: {COMPILED_NOTE} "
+                     f"({', '.join(f'{k}: {v}' for k, v in unpacked.items())})")
 
     # ---- compile policies ----------------------------------------------------------------
     def compile(self, fn: Callable, policy: BranchPolicy, name: Optional[str] = None) -> Callable:

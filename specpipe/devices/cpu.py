@@ -20,6 +20,13 @@ class CpuDevice(Device):
     host_memory = True  # the n-gram drafter matches in numpy on the token history itself (drafters/ngram_host.py)
     times_weight_layout = True  # MKL's speed depends on the weight layout, by shape (devices/weight_layout.py)
 
+    @property
+    def packs_weights(self) -> bool:
+        """oneDNN's packed linear is in this torch build (weight_layout=packed; devices/weight_layout.py)."""
+        from specpipe.devices.weight_layout import packing_available
+
+        return packing_available()
+
     def make_torch_device(self, index: int) -> torch.device:
         return torch.device("cpu")  # one CPU device; `index` only matters on accelerators
 

@@ -41,6 +41,10 @@ class Proposer:
     stages: tuple = ()  # the stages whose branches the compile policies bind
     bad: Optional[Tensor] = None  # [B] bool: draft logits non-finite this round (None: the drafter raises none)
     round_extend = None  # a stage whose draft extend a fused `verify.round` may run inside its call (EAGLE's head)
+    # host [B, N] confidence in each node of the last proposal given its parent, in [0, 1] (None: none reported):
+    # what the speculation policies rank nodes by (`speculation.acceptance`)
+    node_conf = None
+    report_conf = False  # a speculation policy reads node_conf (static does not: no work spent on it)
 
     @classmethod
     def build(cls, cfg, pair, setup: DraftSetup) -> Optional["Proposer"]:

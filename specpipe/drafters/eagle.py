@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 
 from specpipe.config.schema import EagleDraftConf
@@ -123,7 +124,10 @@ class EagleProposer(Proposer):
         prep.end_scratch(sc.state)
         s_l, t_l, p_l = (list(x) for x in zip(*blocks))
         self.bad = non_finite(s_l, B)
-        return self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t), None
+        tree = self.tree_stage(pipe.last_token, s_l, t_l, p_l, L_t)
+        if self.report_conf:
+            self.node_conf = conditional_probs(s_l, tree.parent, self.tree_stage.num_draft_tokens)
+        return tree, None
 
     def step_by_step(self, prep, kv, sc, B: int) -> list:
         """The round's tree steps, one call per draft forward and top-k, each under its own policy."""
@@ -151,3 +155,18 @@ class EagleProposer(Proposer):
         batch = pipe.prep.decorate(extend_batch(pipe.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax)))
         p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
         self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h
+
+
+def conditional_probs(score_list: list, parent: torch.Tensor, N: int) -> np.ndarray:
+    """Host [B, N]: each tree node's draft probability given its parent (`Proposer.node_conf`). The scores are
+    cumulative path probabilities; `BuildTree` keeps the N-1 best in ascending id order, so the same selection
+    finds each node's, and a node's over its parent's is its own step's probability."""
+    B = parent.shape[0]
+    scores = torch.cat([s.reshape(B, -1) for s in score_list], 1).float().cpu().numpy()  # [B, M]
+    sel = np.sort(np.argsort(-scores, axis=1, kind="stable")[:, : N - 1], axis=1)
+    path = np.concatenate([np.ones((B, 1)), np.take_along_axis(scores, sel, 1)], 1)
+    par = parent.cpu().numpy()
+    above = np.take_along_axis(path, np.maximum(par, 0), 1)
+    conf = np.where(par >= 0, path / np.maximum(above, 1e-30), 0.0)
+    conf[:, 0] = 1.0
+    return np.clip(conf, 0.0, 1.0)

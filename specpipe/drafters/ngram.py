@@ -11,6 +11,7 @@ from specpipe.drafters import ngram_host
 from specpipe.drafters.base import DraftSetup, Proposer
 from specpipe.drafters.ngram_trie import SEP, NgramDrafter
 from specpipe.drafters.suffix_cache import SuffixCache
+from specpipe.stages.tree_layout import host_tree_from_parents
 
 
 class NgramProposer(Proposer):
@@ -76,7 +77,8 @@ class NgramProposer(Proposer):
             if self.running_tokens > 0 and len(L) > 1:
                 corpus = self.running_corpus_host(ctx, L, corpus)
             tokens, parent = ngram_host.propose(self.drafter, ctx, L + 1, corpus)
-            return ngram_host.tree_from_parents(tokens, parent, L_t, self.S), None
+            self.node_conf = self.drafter.node_conf
+            return host_tree_from_parents(tokens, parent, L_t, self.S), None
         ctx = self.tokens[rows_t, :width]
         corpus = None if self.cache is None else self.cache.tokens
         if self.running_tokens > 0 and len(L) > 1:

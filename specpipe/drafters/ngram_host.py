@@ -11,11 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from specpipe.drafters.ngram_trie import SEP, NgramDrafter
-from specpipe.stages.build_tree import Tree
 
 
 def match_lengths(context: np.ndarray, lengths: np.ndarray, max_n: int) -> np.ndarray:
@@ -102,29 +99,17 @@ def propose(d: NgramDrafter, context: np.ndarray, lengths: np.ndarray,
     tok = win.reshape(B, M * S)[r, pick]
     tokens = np.concatenate([root, np.where(picked, tok, root)], 1).astype(np.int64)
     parent = np.concatenate([np.full((B, 1), -1, np.int64), np.where(picked, par, -1)], 1)
+    d.node_conf = node_confidence(d, count, votes, n, pick, pm, pt, up, picked)
     return tokens, parent
 
 
-def tree_from_parents(tokens: np.ndarray, parent: np.ndarray, seq_lens: Tensor, max_depth: int) -> Tree:
-    """`drafters.tree.tree_from_parents` on host arrays; the `Tree`'s tensors share their memory."""
-    B, N = tokens.shape
-    ar = np.arange(N)
-    eye = ar[:, None] == ar[None, :]
-    anc = (parent[:, :, None] == ar) | eye  # [B, N, N]
-    for _ in range(max(1, max_depth - 1).bit_length()):
-        anc = np.matmul(anc.astype(np.float32), anc.astype(np.float32)) > 0
-    depth = anc.sum(-1) - 1
-    reach = anc[:, :, 0] & (depth <= max_depth)
-    anc = anc & reach[:, :, None] | eye
-    depth = np.where(reach, depth, 0).astype(np.int64)
-    parent = np.where(reach, parent, -1)
-    child = parent[:, None, :] == ar[None, :, None]
-    first = np.where(child, ar, N).min(-1)
-    sib = (parent[:, :, None] == parent[:, None, :]) & (ar[None, None, :] > ar[None, :, None]) \
-        & (parent[:, :, None] >= 0)
-    nsib = np.where(sib, ar, N).min(-1)
-    t = torch.from_numpy
-    return Tree(tokens=t(tokens), positions=seq_lens[:, None] + t(depth), mask=t(anc), parent=t(parent),
-                depth=t(depth), next_token=t(np.where(first < N, first, -1).astype(np.int64)),
-                next_sibling=t(np.where(nsib < N, nsib, -1).astype(np.int64)),
-                retrieve_index=t(np.arange(B)[:, None] * N + ar))
+def node_confidence(d: NgramDrafter, count, votes, n, pick, pm, pt, up, picked) -> np.ndarray:
+    """[B, N] each node's share of its parent's votes, times how long its best match is (n / max_n): what the
+    speculation policies learn acceptance by. The root 1, unpicked nodes 0."""
+    B, M, S = count.shape
+    r = np.arange(B)[:, None]
+    mine = count.reshape(B, M * S)[r, pick]
+    above = np.where(pt > 0, count[r, up, np.maximum(pt - 1, 0)], votes.sum(1, keepdims=True))
+    share = mine / np.maximum(above, 1)
+    conf = np.where(picked, np.minimum(share, 1.0) * n[r, pm] / d.max_n, 0.0)
+    return np.concatenate([np.ones((B, 1)), conf], 1)

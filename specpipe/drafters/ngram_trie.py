@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from specpipe.drafters.tree import tree_from_parents
+from specpipe.stages.tree_layout import tree_from_parents
 from specpipe.stages.build_tree import Tree
 from specpipe.config.drafts import MAX_TRIE_CELLS, trie_limit_hint, trie_matches
 
@@ -68,6 +68,7 @@ class NgramDrafter:
         if not 2 <= self.N <= 1 + topk * num_steps:
             raise ValueError(f"num_draft_tokens must be in [2, 1 + topk*num_steps = {1 + topk * num_steps}]")
         self.min_n, self.max_n = min_n, max_n
+        self.node_conf = None  # host [B, N] of the last host-side proposal (`ngram_host.node_confidence`)
         # matches that vote: the best one alone makes a chain; a trie takes the votes of 4 per branch
         self.M = candidates if candidates is not None else trie_matches(topk)
         if self.M * self.M * num_steps > MAX_TRIE_CELLS:

@@ -21,6 +21,9 @@ def completion_record(r: Request, tokenizer) -> dict:
     """A request's line in completions.jsonl (and the partial file): its prompt, output ids and text, why it ended."""
     rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids,
            "text": output_text(tokenizer, r.prompt_ids, r.output_ids), "finish_reason": r.finish_reason}
+    if r.accept_histogram:  # it went through speculative rounds (vLLM's names; [i]: rounds that accepted i drafts)
+        rec.update(num_draft_tokens=r.num_draft_tokens, num_accepted_tokens=r.num_accepted_tokens,
+                   acceptance_histogram=r.accept_histogram)
     if r.logprobs is not None:
         rec["logprobs"] = r.logprobs
     if r.error:

@@ -157,6 +157,7 @@ def carry_finished(earlier: list, job_cfg: DictConfig, items: list, reqs: list, 
             r = reqs[i]
             r.output_ids, r.finish_reason = list(rec["output_ids"]), rec["finish_reason"]
             r.logprobs = rec.get("logprobs")
+            r.num_draft_tokens, r.num_accepted_tokens, r.accept_histogram = carried_telemetry(rec)
             carried.append(r)
     left = sum(not r.finished for r in reqs)
     failed = f", {before} failed before decoding" if before else ""
@@ -164,3 +165,12 @@ def carry_finished(earlier: list, job_cfg: DictConfig, items: list, reqs: list, 
              f"({', '.join(run.path.name for run in same)}){failed}; "
              f"{'decoding the other ' + str(left) if left else 'nothing is left to decode'}")
     return carried
+
+
+def carried_telemetry(rec: dict) -> tuple[int, int, list]:
+    """A finished record's speculation counts (0 and [] where absent or not counts: a hand-edited file)."""
+    def count(v):
+        return v if type(v) is int and v >= 0 else 0
+    hist = rec.get("acceptance_histogram")
+    hist = [count(v) for v in hist] if isinstance(hist, list) else []
+    return count(rec.get("num_draft_tokens")), count(rec.get("num_accepted_tokens")), hist

@@ -91,6 +91,8 @@ def describe_run(summary: dict, *, cfg: DictConfig, job_cfg: DictConfig, items: 
     summary["resumed_requests"] = len(carried)  # finished by the stopped run resume=true continued; not decoded here
     summary["num_errors"] = sum(r.finish_reason == "error" for r in reqs)
     summary["request_errors"] = [{"index": r.index, "error": r.error} for r in reqs if r.finish_reason == "error"][:5]
+    if getattr(pipe, "policy", None) is not None:  # draft=none has no policy: every step is one token
+        summary["speculation"] = pipe.policy.summary()
     summary["autotune"] = collect_decisions(getattr(pipe, "stages", []))  # compile=auto choices + timings
     summary["weight_layout"] = layout  # per Linear shape: the layout kept (and what auto measured)
     cache = getattr(getattr(pipe, "proposer", None), "cache", None)

@@ -46,3 +46,41 @@ def plotted_acceptance(v) -> float:
     """A job's acceptance length on the plot: 1 (one token a step, as draft=none) when it has none, or none
     finite (a NaN one left the best job's point and star undrawn)."""
     return float(v) if is_number(v) and finite(v) else 1.0
+
+
+BATCH_KEY = "workload.batch_size"
+
+
+def plot_by_batch(path: Path, jobs: list[Job], varied: list[str]) -> None:
+    """Tokens/s (y) over batch size (x), one line per combination of the other varied keys (a policy, a drafter):
+    where speculation stops paying as the batch grows. Written when the sweep varies workload.batch_size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    others = [k for k in varied if k != BATCH_KEY]
+    lines: dict[str, list] = {}
+    for j in jobs:
+        if j.tps is None:
+            continue
+        try:
+            b = int(j.overrides.get(BATCH_KEY, ""))
+        except ValueError:
+            continue
+        label = "/".join(j.overrides.get(k, "") for k in others) or "all jobs"
+        lines.setdefault(label, []).append((b, j.tps))
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for label, pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("lines: " + " / ".join(others) if others else "tokens/s by batch size", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    if lines:
+        ax.legend(loc="best", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)

@@ -1,7 +1,8 @@
 """python -m specpipe.report SWEEP_DIR [--out DIR]: one table and one plot for a whole sweep.
 
 Reads the job dirs under SWEEP_DIR (metrics.json, error.json, .hydra/overrides.yaml) and writes
-report.csv, report.md and report.png. The columns are the overrides that differ between jobs, so
+report.csv, report.md and report.png (and report_batch.png, tokens/s over batch size, when the sweep varies
+workload.batch_size). The columns are the overrides that differ between jobs, so
 the table shows what the sweep varied and nothing that stayed fixed (without overrides.yaml, as with
 hydra.output_subdir=null: the settings of metrics.json's config that differ). Only the jobs of the newest
 sweep in SWEEP_DIR are read (--all reads every one): a new sweep into the same folder leaves the higher
@@ -19,7 +20,7 @@ from typing import Optional
 
 from specpipe.sweep.jobs import UNFINISHED, Job, error_message, find_jobs
 from specpipe.sweep.overrides import mtime
-from specpipe.sweep.plot import plot
+from specpipe.sweep.plot import BATCH_KEY, plot, plot_by_batch
 from specpipe.sweep.points import newest_sweep_points, newest_sweep_size
 from specpipe.sweep.tables import best_job, markdown, older_note, rows, sort_jobs, varied_keys, write_csv
 
@@ -37,11 +38,14 @@ def report(sweep_dir: Path, out: Path, every_job: bool = False) -> tuple[list[Jo
     md = markdown(header, table, fixed, best, varied, older_note(sweep_dir, older))
     # all three or none: each is written aside, then renamed (a report.png that could not be written left a new
     # report.csv and report.md beside the old plot)
-    tmp = {name: out / f".{name}.tmp" for name in ("report.csv", "report.md", "report.png")}
+    names = ("report.csv", "report.md", "report.png") + (("report_batch.png",) if BATCH_KEY in varied else ())
+    tmp = {name: out / f".{name}.tmp" for name in names}
     try:
         write_csv(tmp["report.csv"], header, table)
         tmp["report.md"].write_text(md, encoding="utf-8")
         plot(tmp["report.png"], jobs, varied, best)
+        if "report_batch.png" in tmp:  # tokens/s over batch size, a line per policy / drafter / ...
+            plot_by_batch(tmp["report_batch.png"], jobs, varied)
         for name, path in tmp.items():
             if (out / name).is_dir():
                 raise IsADirectoryError(21, "Is a directory", str(out / name))

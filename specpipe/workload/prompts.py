@@ -15,11 +15,18 @@ from specpipe.errors import InputError
 from specpipe.config.schema import (PROMPT_SET_NAMES, GREEDY_TEMPERATURE, SAMPLING_RULES, is_int, is_number,
                                     sampling_problem)
 
-# "heldout" (code contexts from stdlib files the shipped pair never trained on) lives in
-# assets/prompts/heldout.jsonl, written by scripts/make_heldout_prompts.py
-PROMPT_SETS = {
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "prompts"
+HELDOUT = ASSETS / "heldout.jsonl"  # code contexts from stdlib files the shipped pair never trained on
+# (written by scripts/make_heldout_prompts.py)
+# built-in sets of chats ({"messages": [...]} lines, hand-written for this project): rendered with the model's chat
+# template, so they need a model that has one (the shipped byte-level pair has none: each request then fails, naming
+# the set, the message saying the folder has no chat template)
+CHAT_SETS = {"chat": ASSETS / "chat.jsonl", "code": ASSETS / "code.jsonl"}
+PROMPT_SETS = {  # name -> its plain prompts ([] for the sets stored as files above)
     "heldout": [],
-    "code": [
+    "chat": [],
+    "code": [],
+    "code_prefixes": [
         "def fibonacci(n):\n    ",
         "import os\nimport sys\n\n\ndef main():\n",
         "class Stack:\n    def __init__(self):\n        ",
@@ -37,19 +44,27 @@ PROMPT_SETS = {
 assert tuple(PROMPT_SETS) == PROMPT_SET_NAMES  # config names them without importing this module
 
 
-HELDOUT = Path(__file__).resolve().parents[1] / "assets" / "prompts" / "heldout.jsonl"
-
-
 def load_prompts(prompts_file: Optional[str], prompt_set: str, num_prompts: Optional[int]) -> list[dict]:
-    """Returns [{"prompt": str} | {"error": str}] in input order; a bad line becomes a per-request error."""
+    """Returns [{"prompt": str} | {"messages": [...], ...} | {"error": str}] in input order; a bad line becomes a
+    per-request error."""
     if prompts_file is None and prompt_set == "heldout":
         items = [{"prompt": json.loads(line)["prompt"]}
                  for line in HELDOUT.read_text(encoding="utf-8").splitlines() if line]
+    elif prompts_file is None and prompt_set in CHAT_SETS:
+        items = chat_set(prompt_set)
     elif prompts_file is None:
         items = [{"prompt": p} for p in PROMPT_SETS[prompt_set]]
     else:
         items = read_prompts_file(prompts_file, limit=num_prompts)
     return items[:num_prompts] if num_prompts is not None else items
+
+
+def chat_set(name: str) -> list[dict]:
+    """A built-in chat set's items, parsed as a prompts file's lines are; each is named "workload.prompt_set=NAME,
+    prompt N" in errors (a model without a chat template fails every one of them so)."""
+    lines = [line for line in CHAT_SETS[name].read_text(encoding="utf-8").splitlines() if line]
+    return [parse_prompt_line(json.loads(line), f"workload.prompt_set={name}, prompt {n}")
+            for n, line in enumerate(lines, 1)]
 
 
 # fields other engines take per request that would silently do nothing here: refused unless they hold their
@@ -100,8 +115,9 @@ def unsupported_field(obj: dict, deferred=()) -> Optional[str]:
 
 
 LIMIT_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # ours, OpenAI's older and newer names
+SPECULATION_FIELDS = ("speculate", "max_spec_tokens")  # this request's own speculation limits
 KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", *LIMIT_FIELDS, "stop", "stop_token_ids",
-                *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
+                *SPECULATION_FIELDS, *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
 
 
 def _spelt(key: str) -> str:
@@ -189,10 +205,25 @@ def parse_prompt_line(obj, where) -> dict:
     return item
 
 
+def speculation_fields(d: dict, extra: dict) -> Optional[str]:
+    """A prompt's "speculate" (false: it decodes plainly) and "max_spec_tokens" (draft tokens it verifies per
+    step at most) into `extra`; why they are unusable."""
+    if d.get("speculate") is not None:
+        if not isinstance(d["speculate"], bool):
+            return f'"speculate" must be true or false, got {show(d["speculate"])}'
+        extra["speculate"] = d["speculate"]
+    if d.get("max_spec_tokens") is not None:
+        m = d["max_spec_tokens"]
+        if not is_int(m) or m < 0:
+            return f'"max_spec_tokens" must be an integer >= 0 (0: no drafts), got {show(m)}'
+        extra["max_spec_tokens"] = int(m)
+    return None
+
+
 def _parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
     "max_new_tokens" (or "max_tokens", "max_completion_tokens"), "stop", "temperature", "top_p", "top_k",
-    "repetition_penalty", "min_p"; or its error.
+    "repetition_penalty", "min_p", "speculate", "max_spec_tokens"; or its error.
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3"); a good
     item keeps that name as "where", for the errors found once it is tokenized."""
@@ -252,6 +283,9 @@ def _parse_prompt_line(obj, where) -> dict:
                 given = [k for k in LIMIT_FIELDS if d.get(k) is not None]
                 return {"error": f'{n}: "{given[0]}" and "{key}" disagree; give one', "prompt": ""}
             extra["max_new_tokens"] = int(m)
+    why = speculation_fields(d, extra)
+    if why:
+        return {"error": f"{n}: {why}", "prompt": ""}
     if d.get("stop_token_ids") is not None:  # vLLM's: ids that end the request as EOS does, besides the model's
         ids = d["stop_token_ids"]
         if not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids):

@@ -82,7 +82,7 @@ def stop_mid_run(out: Path, sig: int, preexec) -> tuple[subprocess.Popen, str]:
 
     partial = out / "completions.partial.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code",
+    p = subprocess.Popen([sys.executable, "-m", "specpipe", "model=random_tiny", "workload.prompt_set=code_prefixes",
                           "workload.max_new_tokens=300", "workload.batch_size=1", "draft=none",
                           f"hydra.run.dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, preexec_fn=preexec)

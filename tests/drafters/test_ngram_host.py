@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from specpipe.drafters import ngram_host
 from specpipe.drafters.ngram_trie import SEP, NgramDrafter, pack_histories
-from specpipe.drafters.tree import tree_from_parents
+from specpipe.stages.tree_layout import host_tree_from_parents, tree_from_parents
 
 FIELDS = ("tokens", "positions", "mask", "parent", "depth", "next_token", "next_sibling", "retrieve_index")
 
@@ -49,7 +49,7 @@ def test_the_numpy_drafter_gives_the_torch_drafters_tree(case):
         c_t, c_np = c, c.numpy()
     want = d.propose(ctx, lens, seq_lens, c_t)
     tokens, parent = ngram_host.propose(d, ctx.numpy(), lens.numpy(), c_np)
-    assert_same_tree(ngram_host.tree_from_parents(tokens, parent, seq_lens, steps), want)
+    assert_same_tree(host_tree_from_parents(tokens, parent, seq_lens, steps), want)
 
 
 def test_unreachable_nodes_are_unlinked_as_in_torch():
@@ -58,7 +58,7 @@ def test_unreachable_nodes_are_unlinked_as_in_torch():
     parent = torch.tensor([[-1, 0, 1, 2, 3, -1], [-1, 0, 0, 5, 3, 4]])
     seq = torch.tensor([7, 9])
     want = tree_from_parents(tokens, parent, seq, 3)
-    assert_same_tree(ngram_host.tree_from_parents(tokens.numpy(), parent.numpy(), seq, 3), want)
+    assert_same_tree(host_tree_from_parents(tokens.numpy(), parent.numpy(), seq, 3), want)
     assert want.parent[0, 4] == -1 and want.parent[1, 3] == -1  # (what is compared is not vacuous)
 
 

@@ -14,7 +14,7 @@ from helpers import compose
 from specpipe.config.compose import CONF_DIR, compose_config
 from specpipe.config.schema import DraftConf, draft_schema, draft_schemas
 from specpipe.drafters.base import Proposer
-from specpipe.drafters.tree import tree_from_parents
+from specpipe.stages.tree_layout import tree_from_parents
 
 
 class RepeatProposer(Proposer):

@@ -583,3 +583,23 @@ def test_a_huge_tokens_per_s_prints_in_a_few_digits(tmp_path):
     main([str(sweep)])
     md = (sweep / "report.md").read_text()
     assert "Best: job 1" in md and "1e+308 tokens/s" in md and "0" * 50 not in md
+
+
+def test_a_sweep_over_batch_sizes_gets_a_tokens_per_s_by_batch_plot(tmp_path):
+    """Varying workload.batch_size adds report_batch.png (a line per policy); a sweep that does not, does not."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    for i, (pol, b, tps) in enumerate([("static", 1, 10.0), ("static", 4, 30.0), ("cost", 1, 12.0),
+                                       ("cost", 4, 29.0)]):
+        d = root / str(i)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- speculation={pol}\n- workload.batch_size={b}\n")
+        (d / "metrics.json").write_text(json.dumps({"tokens_per_s": tps, "accept_length_mean": 1.5,
+                                                    "num_verify_steps": 5, "recompiles": 0, "wall_s": 1.0,
+                                                    "config": {}}))
+    main([str(root), "--out", str(tmp_path / "out")])
+    png = (tmp_path / "out" / "report_batch.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    main([str(make_sweep(tmp_path / "other")), "--out", str(tmp_path / "out2")])
+    assert not (tmp_path / "out2" / "report_batch.png").exists()

@@ -1,4 +1,5 @@
-"""Lay out a draft tree given only each node's token and local parent (the drafters' common tail).
+"""Lay out a draft tree given only each node's token and local parent (the drafters' common tail, and the
+speculation policies' trimmed trees).
 
 Produces the same `Tree` as `stages.build_tree.BuildTree`, so every verifier consumes drafts from
 EAGLE, n-gram lookup or a standalone model alike. Parents must precede their children (any
@@ -6,6 +7,7 @@ topological order works: the commit step only assumes a node at depth d has loca
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,3 +44,28 @@ def tree_from_parents(tokens: Tensor, parent: Tensor, seq_lens: Tensor, max_dept
     return Tree(tokens=tokens, positions=seq_lens[:, None] + depth, mask=anc, parent=parent, depth=depth,
                 next_token=torch.where(first < N, first, none), next_sibling=torch.where(nsib < N, nsib, none),
                 retrieve_index=torch.arange(B, device=dev)[:, None] * N + ar)
+
+
+def host_tree_from_parents(tokens: np.ndarray, parent: np.ndarray, seq_lens: Tensor, max_depth: int) -> Tree:
+    """`tree_from_parents` on host arrays (numpy: no op dispatches); the `Tree`'s tensors share their memory."""
+    B, N = tokens.shape
+    ar = np.arange(N)
+    eye = ar[:, None] == ar[None, :]
+    anc = (parent[:, :, None] == ar) | eye  # [B, N, N]
+    for _ in range(max(1, max_depth - 1).bit_length()):
+        anc = np.matmul(anc.astype(np.float32), anc.astype(np.float32)) > 0
+    depth = anc.sum(-1) - 1
+    reach = anc[:, :, 0] & (depth <= max_depth)
+    anc = anc & reach[:, :, None] | eye
+    depth = np.where(reach, depth, 0).astype(np.int64)
+    parent = np.where(reach, parent, -1)
+    child = parent[:, None, :] == ar[None, :, None]
+    first = np.where(child, ar, N).min(-1)
+    sib = (parent[:, :, None] == parent[:, None, :]) & (ar[None, None, :] > ar[None, :, None]) \
+        & (parent[:, :, None] >= 0)
+    nsib = np.where(sib, ar, N).min(-1)
+    t = torch.from_numpy
+    return Tree(tokens=t(tokens), positions=seq_lens[:, None] + t(depth), mask=t(anc), parent=t(parent),
+                depth=t(depth), next_token=t(np.where(first < N, first, -1).astype(np.int64)),
+                next_sibling=t(np.where(nsib < N, nsib, -1).astype(np.int64)),
+                retrieve_index=t(np.arange(B)[:, None] * N + ar))

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specpipe.drafters.tree import tree_from_parents
+from specpipe.stages.tree_layout import tree_from_parents
 
 
 def walk(parent, max_depth):

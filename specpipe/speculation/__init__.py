@@ -1,0 +1,1 @@
+"""speculation= policies: how much of each draft tree a step verifies (one module per conf/speculation option)."""

@@ -1,0 +1,111 @@
+"""speculation=cost: each step, the verify width that maximises expected committed tokens per second.
+
+For a batch of B requests and a verify width n (root included), a step commits B + E(n) tokens, E(n) the sum of
+the kept nodes' estimated acceptance chances (each request keeps its n-1 most probable nodes: in the padded verify
+batch they cost the same), and takes c(B, n) + d seconds: the verify side (prepare, forward, commit, the draft's
+extend) measured per (B, n) as the run goes, and the draft stage d. n = 1 is a plain step: speculation off. The
+curve starts unmeasured: a batch size first verifies at full width, then at width 1, and the widths between are
+interpolated from what was measured (a fixed curve may be given: speculation.cost_ms).
+
+When several steps in a row chose width 1, drafting pauses (its cost saved) except every skip_after-th step.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from specpipe.speculation.base import Policy
+
+EMA = 0.25  # weight of a new measurement of c(B, n)
+
+
+class CostCurve:
+    """c(B, n) in seconds: measured points per batch size, linear between them, flat before the first, the last
+    segment's slope after the last."""
+
+    def __init__(self, fixed: Optional[dict] = None):
+        self.points: dict[int, dict[int, float]] = {}
+        self.fixed = fixed is not None
+        for b, row in (fixed or {}).items():
+            self.points[int(b)] = {int(n): float(ms) / 1000 for n, ms in row.items()}
+
+    def learn(self, B: int, n: int, seconds: float) -> None:
+        if self.fixed:
+            return
+        row = self.points.setdefault(B, {})
+        row[n] = seconds if n not in row else (1 - EMA) * row[n] + EMA * seconds
+
+    def known(self, B: int, n: Optional[int] = None) -> bool:
+        """Whether B has a measured point (at n, or any)."""
+        row = self.points.get(B, {})
+        return (self.fixed and bool(self.points)) or (n in row if n is not None else bool(row))
+
+    def row(self, B: int) -> dict:
+        """B's points; a fixed curve without B uses its nearest batch size."""
+        if B in self.points or not self.fixed:
+            return self.points.get(B, {})
+        return self.points[min(self.points, key=lambda b: (abs(b - B), b))]
+
+    def __call__(self, B: int, widths: np.ndarray) -> np.ndarray:
+        row = self.row(B)
+        ns = np.asarray(sorted(row), dtype=np.float64)
+        cs = np.asarray([row[n] for n in sorted(row)])
+        out = np.interp(widths, ns, cs)
+        if len(ns) > 1:  # past the last point: its segment's slope
+            slope = (cs[-1] - cs[-2]) / (ns[-1] - ns[-2])
+            out = np.where(widths > ns[-1], cs[-1] + slope * (widths - ns[-1]), out)
+        return out
+
+
+class CostPolicy(Policy):
+    def __init__(self, s, num_draft_tokens: int, num_steps: int):
+        super().__init__(s, num_draft_tokens, num_steps)
+        self.curve = CostCurve(s.get("cost_ms"))
+        self.skip_after = int(s.skip_after)
+        self.draft_s: dict[int, float] = {}  # batch size -> EMA of the draft stage
+        self.plain_run = 0  # steps in a row that verified no draft
+        self.paused = 0  # steps since drafting paused
+
+    def skip_draft(self, limits: np.ndarray) -> bool:
+        if not limits.any():
+            return True
+        if self.skip_after and self.plain_run >= self.skip_after:
+            self.paused += 1
+            return self.paused % self.skip_after != 0
+        return False
+
+    def keep(self, parent, depth, conf, limits, B):
+        p = self.acceptance.path_probs(parent, depth, conf)
+        n = self.width(p, depth, limits, B)
+        return self.top_slice(p, depth, np.minimum(limits, n - 1))
+
+    def width(self, p: np.ndarray, depth: np.ndarray, limits: np.ndarray, B: int) -> int:
+        """The verify width (root included) with the most expected tokens per second."""
+        most = int(np.minimum((p[:, 1:] > 0).sum(1), limits).max()) + 1
+        if most == 1:
+            return 1
+        if not self.curve.known(B):  # explore the ends of the curve first: full width, then plain
+            return most
+        if not self.curve.known(B, 1):
+            return 1
+        tail = -np.sort(-p[:, 1:], axis=1)  # [B, N-1] most probable first
+        tail = np.where(np.arange(tail.shape[1])[None, :] < limits[:, None], tail, 0.0)
+        gain = np.concatenate([[0.0], np.cumsum(tail.sum(0))])[:most]  # E(n) for n = 1..most
+        widths = np.arange(1, most + 1)
+        rate = (B + gain) / (self.curve(B, widths) + self.draft_s.get(B, 0.0))
+        return int(widths[np.argmax(rate)])
+
+    def learn_cost(self, B: int, width: int, verify_s: float, draft_s: float) -> None:
+        self.curve.learn(B, width, verify_s)
+        if draft_s > 0:
+            old = self.draft_s.get(B)
+            self.draft_s[B] = draft_s if old is None else (1 - EMA) * old + EMA * draft_s
+        if width == 1:
+            self.plain_run += 1
+        else:
+            self.plain_run, self.paused = 0, 0
+
+    def cost_curve(self) -> Optional[dict]:
+        return {int(b): {int(n): round(s * 1000, 3) for n, s in sorted(row.items())}
+                for b, row in sorted(self.curve.points.items())}
