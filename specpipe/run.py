@@ -106,6 +106,9 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     for note in schema.unread_notes(d):  # draft.path without a draft model, draft=none's tree settings
         log.info(note)
     proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
+    policy = cfg.speculation._target_.rsplit(".", 2)[-2]
+    if proposer is None and policy != "static":
+        log.info(f"specpipe: note: speculation={policy} is not read: draft={schema.label(d)} drafts nothing")
     if proposer is None:
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling, wrap)
     else:

@@ -71,7 +71,7 @@ class ScheduleSpeculationConf(SpeculationConf):
 @dataclass
 class AdaptiveSpeculationConf(SpeculationConf):
     _target_: str = "specpipe.speculation.adaptive.AdaptivePolicy"
-    min_accept: float = 0.3  # keep a node when its estimated chance of being accepted is at least this
+    min_accept: float = 0.1  # keep a node when its estimated chance of being accepted is at least this
 
     @classmethod
     def check(cls, s, errors: list) -> None:

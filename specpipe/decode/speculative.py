@@ -115,7 +115,7 @@ class SpecPipeline(Pipeline):
         retracted = self.make_room()
         if not self.reqs:
             return retracted
-        B, S, N = len(self.reqs), self.S, self.N
+        B, S = len(self.reqs), self.S
         m = self.metrics
         rows_t = torch.from_numpy(self.rows).to(self.dev)
         L = self.prep.seq_len[self.rows].copy()
@@ -153,11 +153,7 @@ class SpecPipeline(Pipeline):
                 ints = torch.cat([count[:, None], commit, self.round_stats(tree, accept_index, logits, in_place)], 1)
             host, lps = self.read_back(ints,  # the one host sync of the step
                                        self.token_logprobs(raw, commit, accept_index.clamp(min=0)))
-            kept = np.asarray([self.commit_request(r, h, None if lps is None else lps[i])
-                               for i, (r, h) in enumerate(zip(self.reqs, host))])
-            m.record_round([h[0] for h in host], [h[S + 2: 2 * S + 2] for h in host], [h[-3] for h in host])
-            for r, h in zip(self.reqs, host):
-                count_request(r, h[0], h[-3])
+            kept = self.commit_host(host, lps)
             kept_t = torch.from_numpy(kept).to(self.dev)
             if not all(h[-2] for h in host):  # (kept <= count + 1: a request stopped early keeps fewer)
                 # entries that need no move copy a slot onto itself, so the copy has a fixed size (no
@@ -167,23 +163,37 @@ class SpecPipeline(Pipeline):
             unfinished = np.asarray([not r.finished for r in self.reqs])
             self.prep.commit(self.rows[unfinished], (L + kept)[unfinished])
             self.prep.after_commit(self.rows[unfinished])
+        counts = np.asarray([h[0] for h in host], dtype=np.int64)
         with m.stage("draft_extend"):
-            old_last = self.last_token
-            counts = np.asarray([h[0] for h in host], dtype=np.int64)
             if fused and next_start[0] is not None and np.array_equal(kept[unfinished], counts[unfinished] + 1):
                 # verify.round already ran the head's extend as if every request kept count + 1 tokens: those that
                 # go on did (the others leave the batch in drop_finished)
                 self.proposer.topk_p, self.proposer.topk_index, self.proposer.draft_hidden, self.last_token = next_start
             elif unfinished.any():
-                u = torch.from_numpy(np.flatnonzero(unfinished)).to(self.dev)
-                self.proposer.after_verify(self, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
-                self.last_token = old_last.clone()
-                self.last_token[u] = commit[u].gather(1, (kept_t[u] - 1)[:, None])[:, 0]
-        self.policy.observe(tree, conf, np.asarray([h[0] for h in host]),
-                            np.asarray([h[S + 2: 2 * S + 2] for h in host]), L, draft_s)
+                self.extend_drafter(unfinished, commit, vhidden, accept_index, L_t, kept_t, rows_t)
+        self.policy.observe(tree, conf, counts, np.asarray([h[S + 2: 2 * S + 2] for h in host]), L, draft_s)
         self.drop_finished()
         m.num_verify_steps += 1
         return retracted
+
+    def commit_host(self, host: list, lps) -> np.ndarray:
+        """The commit's host side: each request's tokens, the run's and each request's counts; [B] tokens kept."""
+        S = self.S
+        kept = np.asarray([self.commit_request(r, h, None if lps is None else lps[i])
+                           for i, (r, h) in enumerate(zip(self.reqs, host))])
+        self.metrics.record_round([h[0] for h in host], [h[S + 2: 2 * S + 2] for h in host], [h[-3] for h in host])
+        for r, h in zip(self.reqs, host):
+            count_request(r, h[0], h[-3])
+        return kept
+
+    def extend_drafter(self, unfinished, commit, vhidden, accept_index, L_t, kept_t, rows_t) -> None:
+        """The drafter takes in the committed tokens of the requests that go on; each one's newest token becomes
+        the next round's root."""
+        old_last = self.last_token
+        u = torch.from_numpy(np.flatnonzero(unfinished)).to(self.dev)
+        self.proposer.after_verify(self, u, commit, vhidden, accept_index, L_t, kept_t, rows_t, old_last)
+        self.last_token = old_last.clone()
+        self.last_token[u] = commit[u].gather(1, (kept_t[u] - 1)[:, None])[:, 0]
 
     def commit_request(self, req, h: list, logprobs: Optional[list] = None) -> int:
         """Host side of one request's round: h = [count, commit (S+1), ranks (S), linked, in place, status]; logprobs:

@@ -16,7 +16,7 @@ import numpy as np
 
 CONF_BINS = 8  # confidence bins per depth
 DEPTH_BINS = 4  # depths 1, 2, 3 and 4+
-PRIOR = (1.0, 2.0)  # (accepted, seen) before any data: 0.5
+PRIOR = (0.5, 1.0)  # (accepted, seen) before any data: 0.5, worth one observation (it is left fast)
 DECAY = 0.99  # per observed step
 
 
@@ -25,11 +25,13 @@ class Acceptance:
         self.accepted = np.zeros((CONF_BINS, DEPTH_BINS))
         self.seen = np.zeros((CONF_BINS, DEPTH_BINS))
 
-    def cells(self, conf: Optional[np.ndarray], depth: np.ndarray, parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def cells(self, conf: Optional[np.ndarray], depth: np.ndarray, parent: np.ndarray,
+              rank: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """(conf bin, depth bin) of every node [B, N]. A drafter that reports no confidence: its sibling rank
         stands in (the first child in the top bin), so siblings do not share one estimate."""
         if conf is None:
-            c = CONF_BINS - 1 - np.minimum(sibling_rank(parent), CONF_BINS - 1)
+            rank = sibling_rank(parent) if rank is None else rank
+            c = CONF_BINS - 1 - np.minimum(rank, CONF_BINS - 1)
         else:
             c = np.clip((conf * CONF_BINS).astype(np.int64), 0, CONF_BINS - 1)
         return c, np.clip(depth - 1, 0, DEPTH_BINS - 1)
@@ -38,27 +40,23 @@ class Acceptance:
         """[CONF_BINS, DEPTH_BINS] estimated conditional acceptance."""
         return (self.accepted + PRIOR[0]) / (self.seen + PRIOR[1])
 
-    def path_probs(self, parent: np.ndarray, depth: np.ndarray, conf: Optional[np.ndarray]) -> np.ndarray:
-        """[B, N] estimated probability that each node is accepted (the root: 1, an unlinked node: 0)."""
-        c, d = self.cells(conf, depth, parent)
-        a = self.rates()[c, d]
-        linked = parent >= 0
-        p = np.zeros(parent.shape)
-        p[:, 0] = 1.0
-        rows = np.arange(parent.shape[0])[:, None]
-        for level in range(1, int(depth.max(initial=0)) + 1):  # parents sit one level up: settled before
-            at = linked & (depth == level)
-            p = np.where(at, p[rows, np.maximum(parent, 0)] * a, p)
-        return p
+    def path_probs(self, parent: np.ndarray, depth: np.ndarray, mask: np.ndarray, conf: Optional[np.ndarray],
+                   rank: Optional[np.ndarray] = None) -> np.ndarray:
+        """[B, N] estimated probability that each node is accepted (the root: 1, an unlinked node: 0): the product
+        of the conditional estimates over its path (mask [B, N, N]: node j sees its ancestors and itself)."""
+        c, d = self.cells(conf, depth, parent, rank)
+        log_a = np.where(parent >= 0, np.log(self.rates()[c, d]), 0.0)  # [B, N], the root's factor 1
+        p = np.exp(np.matmul(mask.astype(np.float64), log_a[:, :, None])[:, :, 0])
+        return np.where((parent >= 0) | (np.arange(parent.shape[1]) == 0), p, 0.0)
 
-    def observe(self, parent: np.ndarray, depth: np.ndarray, conf: Optional[np.ndarray],
-                accepted: np.ndarray) -> None:
+    def observe(self, parent: np.ndarray, depth: np.ndarray, conf: Optional[np.ndarray], accepted: np.ndarray,
+                rank: Optional[np.ndarray] = None) -> None:
         """Count, for every linked node whose parent was accepted, whether it was too (accepted [B, N] bool)."""
         self.accepted *= DECAY
         self.seen *= DECAY
         rows = np.arange(parent.shape[0])[:, None]
         tried = (parent >= 0) & accepted[rows, np.maximum(parent, 0)]
-        c, d = self.cells(conf, depth, parent)
+        c, d = self.cells(conf, depth, parent, rank)
         np.add.at(self.seen, (c[tried], d[tried]), 1.0)
         np.add.at(self.accepted, (c[tried & accepted], d[tried & accepted]), 1.0)
 
@@ -71,16 +69,12 @@ def sibling_rank(parent: np.ndarray) -> np.ndarray:
     return earlier.sum(-1)
 
 
-def accepted_nodes(parent: np.ndarray, depth: np.ndarray, counts: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+def accepted_nodes(mask: np.ndarray, depth: np.ndarray, rank: np.ndarray, counts: np.ndarray,
+                   ranks: np.ndarray) -> np.ndarray:
     """[B, N] bool: the nodes on each request's accepted path (the root included), rebuilt on the host from what
-    the step reads back anyway (drafts accepted [B], the sibling rank accepted at each depth [B, S])."""
-    B, N = parent.shape
-    rank = sibling_rank(parent)
-    acc = np.zeros((B, N), dtype=bool)
-    acc[:, 0] = True
-    rows = np.arange(B)[:, None]
-    for level in range(1, ranks.shape[1] + 1):
-        want = ranks[:, level - 1][:, None]
-        on = (parent >= 0) & (depth == level) & (rank == want) & (counts[:, None] >= level)
-        acc |= on & acc[rows, np.maximum(parent, 0)]
-    return acc
+    the step reads back anyway (drafts accepted [B], the sibling rank accepted at each depth [B, S]): a node is on
+    it when it and every ancestor sit at an accepted depth with the rank accepted there."""
+    S = ranks.shape[1]
+    want = np.take_along_axis(ranks, np.clip(depth - 1, 0, S - 1), 1)  # [B, N] the rank accepted at its depth
+    ok = ((rank == want) & (depth >= 1) & (depth <= np.minimum(counts, S)[:, None])) | (depth == 0)
+    return ~(mask & ~ok[:, None, :]).any(-1) & mask[:, :, 0]

@@ -13,6 +13,6 @@ class AdaptivePolicy(Policy):
         super().__init__(s, num_draft_tokens, num_steps)
         self.min_accept = float(s.min_accept)
 
-    def keep(self, parent, depth, conf, limits, B):
-        p = self.acceptance.path_probs(parent, depth, conf)
-        return self.top_slice(p, depth, limits) & (p >= self.min_accept)
+    def keep(self, ht, conf, limits):
+        p = self.probs(ht, conf)
+        return self.top_slice(p, ht.depth, limits) & (p >= self.min_accept)

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from specpipe.speculation.acceptance import Acceptance, accepted_nodes
-from specpipe.speculation.trim import host, trim
+from specpipe.speculation.trim import HostTree, trim
 
 CONTEXT_BINS = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # acceptance vs context length
 
@@ -34,6 +34,7 @@ class Policy:
         self.buckets: Optional[list] = None  # widths a compiled verify is laid out at (None: any width)
         self.skipped = 0  # steps that did not draft at all
         self.t_verify = 0.0  # when the step's verify work began (after drafting)
+        self.verified: Optional[HostTree] = None  # the host view of the tree the step verifies (None: not read)
 
     @classmethod
     def build(cls, cfg, num_draft_tokens: int, num_steps: int) -> "Policy":
@@ -63,9 +64,12 @@ class Policy:
         return not limits.any()
 
     # ---- which nodes a step verifies ---------------------------------------------------
-    def keep(self, parent: np.ndarray, depth: np.ndarray, conf, limits: np.ndarray, B: int) -> np.ndarray:
+    def keep(self, ht: HostTree, conf, limits: np.ndarray) -> np.ndarray:
         """[B, N] the nodes to verify: each request's `limits` best by estimated path probability."""
-        return self.top_slice(self.acceptance.path_probs(parent, depth, conf), depth, limits)
+        return self.top_slice(self.probs(ht, conf), ht.depth, limits)
+
+    def probs(self, ht: HostTree, conf) -> np.ndarray:
+        return self.acceptance.path_probs(ht.parent, ht.depth, ht.mask, conf, ht.rank)
 
     @staticmethod
     def top_slice(p: np.ndarray, depth: np.ndarray, limits: np.ndarray) -> np.ndarray:
@@ -79,17 +83,20 @@ class Policy:
 
     def shape(self, tree, draft_probs, conf, limits: np.ndarray, L_t):
         """The tree this step verifies, its draft_probs and conf in the same node order (L_t [B]: root positions)."""
+        self.verified = None
         if not self.compact and (limits >= self.N - 1).all():  # static, no limit in play: no host read at all
             return tree, draft_probs, conf
-        parent, depth = host(tree.parent), host(tree.depth)
-        keep = self.keep(parent, depth, conf, limits, parent.shape[0])
+        ht = HostTree.of(tree)
+        keep = self.keep(ht, conf, limits)
         if keep.all():
+            self.verified = ht
             return tree, draft_probs, conf
         width = 0
         if self.buckets is not None:
             need = int(keep.sum(1).max())
             width = next(b for b in self.buckets if b >= need)
-        return trim(tree, keep, L_t, self.S, self.compact, width, draft_probs, conf)
+        tree, self.verified, draft_probs, conf = trim(tree, ht, keep, L_t, self.compact, width, draft_probs, conf)
+        return tree, draft_probs, conf
 
     def bucketed(self, n: int) -> None:
         """A compiled verify: lay trees out at powers of two up to the full width (log2 N graphs, not N)."""
@@ -102,15 +109,16 @@ class Policy:
     def observe(self, tree, conf, counts: np.ndarray, ranks: np.ndarray, L: np.ndarray, draft_s: float) -> None:
         """After the commit: the verified tree, drafts accepted [B] and the sibling rank accepted at each depth
         [B, S] (read back with the commit), contexts L [B], and the draft stage's seconds."""
-        tree_parent, tree_depth = host(tree.parent), host(tree.depth)
-        B, width = tree_parent.shape
+        B, width = tree.tokens.shape
         self.widths[width] += 1
-        accepted = accepted_nodes(tree_parent, tree_depth, counts, ranks)
-        self.acceptance.observe(tree_parent, tree_depth, conf, accepted)
-        drafted = (tree_parent >= 0).any(1)
-        bins = np.searchsorted(CONTEXT_BINS, L, side="right") - 1
-        np.add.at(self.by_context, (bins[drafted], 0), 1)
-        np.add.at(self.by_context, (bins[drafted], 1), counts[drafted])
+        ht = self.verified
+        if ht is not None and width > 1:
+            accepted = accepted_nodes(ht.mask, ht.depth, ht.rank, counts, ranks)
+            self.acceptance.observe(ht.parent, ht.depth, conf, accepted, ht.rank)
+            drafted = (ht.parent >= 0).any(1)
+            bins = np.searchsorted(CONTEXT_BINS, L, side="right") - 1
+            np.add.at(self.by_context, (bins[drafted], 0), 1)
+            np.add.at(self.by_context, (bins[drafted], 1), counts[drafted])
         self.learn_cost(B, width, time.perf_counter() - self.t_verify, draft_s)
 
     def learn_cost(self, B: int, width: int, verify_s: float, draft_s: float) -> None:
@@ -118,6 +126,7 @@ class Policy:
 
     def skipped_step(self) -> None:
         self.skipped += 1
+        self.verified = None
 
     def summary(self) -> dict:
         """metrics.json's `speculation`: the policy, the verify widths chosen, acceptance by context length."""

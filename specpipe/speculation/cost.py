@@ -18,6 +18,7 @@ import numpy as np
 from specpipe.speculation.base import Policy
 
 EMA = 0.25  # weight of a new measurement of c(B, n)
+FREE = 0.03  # the full padded width counts as free when it costs at most this much more than the chosen one
 
 
 class CostCurve:
@@ -37,15 +38,30 @@ class CostCurve:
         row[n] = seconds if n not in row else (1 - EMA) * row[n] + EMA * seconds
 
     def known(self, B: int, n: Optional[int] = None) -> bool:
-        """Whether B has a measured point (at n, or any)."""
-        row = self.points.get(B, {})
-        return (self.fixed and bool(self.points)) or (n in row if n is not None else bool(row))
+        """Whether B has a measured point at n; without n, whether the curve at B can be estimated (two points at
+        B, or at some batch size whose shape B borrows)."""
+        if self.fixed and self.points:
+            return True
+        if n is not None:
+            return n in self.points.get(B, {})
+        return any(len(r) >= 2 for r in self.points.values())
 
     def row(self, B: int) -> dict:
-        """B's points; a fixed curve without B uses its nearest batch size."""
-        if B in self.points or not self.fixed:
-            return self.points.get(B, {})
-        return self.points[min(self.points, key=lambda b: (abs(b - B), b))]
+        """B's points. A batch size with fewer than two borrows the shape of the nearest one with two or more,
+        scaled to its own point where it has one: a batch that shrinks as requests finish is not explored again
+        at every size (the width's effect, not the absolute cost, is what the choice depends on)."""
+        own = self.points.get(B, {})
+        if len(own) >= 2:
+            return own
+        others = [b for b, r in self.points.items() if len(r) >= 2]
+        if not others:
+            return own
+        near = self.points[min(others, key=lambda b: (abs(b - B), b))]
+        if not own:
+            return near
+        (n, c), = own.items()
+        scale = c / float(self(min(others, key=lambda b: (abs(b - B), b)), np.asarray([n]))[0])
+        return {k: v * scale for k, v in near.items()}
 
     def __call__(self, B: int, widths: np.ndarray) -> np.ndarray:
         row = self.row(B)
@@ -75,20 +91,24 @@ class CostPolicy(Policy):
             return self.paused % self.skip_after != 0
         return False
 
-    def keep(self, parent, depth, conf, limits, B):
-        p = self.acceptance.path_probs(parent, depth, conf)
-        n = self.width(p, depth, limits, B)
-        return self.top_slice(p, depth, np.minimum(limits, n - 1))
+    def keep(self, ht, conf, limits):
+        p = self.probs(ht, conf)
+        n = self.width(p, limits)
+        keep = self.top_slice(p, ht.depth, np.minimum(limits, n - 1))
+        B, N = p.shape
+        if keep.sum() == ((ht.parent >= 0) & (p > 0)).sum() + B and self.curve.known(B, N) and \
+                self.curve(B, np.asarray([N]))[0] <= self.curve(B, np.asarray([n]))[0] * (1 + FREE):
+            return np.ones_like(keep)  # every real draft kept, and the padding costs nothing: skip laying it out
+        return keep
 
-    def width(self, p: np.ndarray, depth: np.ndarray, limits: np.ndarray, B: int) -> int:
+    def width(self, p: np.ndarray, limits: np.ndarray) -> int:
         """The verify width (root included) with the most expected tokens per second."""
+        B = p.shape[0]
         most = int(np.minimum((p[:, 1:] > 0).sum(1), limits).max()) + 1
         if most == 1:
             return 1
-        if not self.curve.known(B):  # explore the ends of the curve first: full width, then plain
-            return most
-        if not self.curve.known(B, 1):
-            return 1
+        if not self.curve.known(B):  # the first batch size explores the curve's ends: full width, then plain
+            return 1 if self.curve.points.get(B) and not self.curve.known(B, 1) else most
         tail = -np.sort(-p[:, 1:], axis=1)  # [B, N-1] most probable first
         tail = np.where(np.arange(tail.shape[1])[None, :] < limits[:, None], tail, 0.0)
         gain = np.concatenate([[0.0], np.cumsum(tail.sum(0))])[:most]  # E(n) for n = 1..most

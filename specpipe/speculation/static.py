@@ -12,12 +12,11 @@ from specpipe.speculation.base import Policy
 class StaticPolicy(Policy):
     compact = False
 
-    def keep(self, parent, depth, conf, limits, B):
-        if (limits >= self.N - 1).all():
-            return np.ones(parent.shape, dtype=bool)
-        p = np.where(parent >= 0, 1.0 / (1.0 + depth), 0.0)  # the drafter's own order, shallow first
+    def keep(self, ht, conf, limits):
+        """The nodes within each request's limit, in the drafter's own order (shallow first)."""
+        p = np.where(ht.parent >= 0, 1.0 / (1.0 + ht.depth), 0.0)
         p[:, 0] = 1.0
-        return self.top_slice(p, depth, limits)
+        return self.top_slice(p, ht.depth, limits)
 
     def observe(self, tree, conf, counts, ranks, L, draft_s) -> None:
         """Counts only, no device read: static learns nothing, so its steps cost what they did before policies

@@ -4,16 +4,18 @@
 `compact`, kept nodes move to the front (their order, hence parents before children, unchanged) and the tree
 narrows to the widest request's count: a request with nothing kept verifies its root alone, a one-token step
 inside the same batched forward. Without it (speculation=static) the width stays and dropped nodes are unlinked.
+Ancestry is read off the old tree's mask, never recomputed: a few gathers over [B, N, N] booleans.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
+from specpipe.speculation.acceptance import sibling_rank
 from specpipe.stages.build_tree import Tree
-from specpipe.stages.tree_layout import host_tree_from_parents
 
 
 def host(t: torch.Tensor) -> np.ndarray:
@@ -21,31 +23,62 @@ def host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def trim(tree: Tree, keep: np.ndarray, L_t: torch.Tensor, max_depth: int, compact: bool, width: int = 0,
+@dataclass
+class HostTree:
+    """What the policies read of a tree, as host arrays [B, N] (mask [B, N, N])."""
+    parent: np.ndarray
+    depth: np.ndarray
+    mask: np.ndarray
+    rank: np.ndarray  # earlier siblings of each node
+
+    @classmethod
+    def of(cls, tree: Tree) -> "HostTree":
+        parent = host(tree.parent)
+        return cls(parent, host(tree.depth), host(tree.mask), sibling_rank(parent))
+
+
+def first_index(hit: np.ndarray, N: int) -> np.ndarray:
+    """[B, N] the smallest k with hit[b, j, k], else -1."""
+    idx = np.where(hit, np.arange(N), N).min(-1)
+    return np.where(idx < N, idx, -1)
+
+
+def trim(tree: Tree, ht: HostTree, keep: np.ndarray, L_t: torch.Tensor, compact: bool, width: int = 0,
          draft_probs: Optional[torch.Tensor] = None, conf: Optional[np.ndarray] = None):
-    """(the `Tree` of the kept nodes, draft_probs and conf in its node order). `width`: the least width to lay out
-    (a compiled verify pads to its buckets)."""
-    tokens, parent = host(tree.tokens), host(tree.parent)
+    """(the `Tree` of the kept nodes, its `HostTree`, draft_probs and conf in its node order). `width`: the least
+    width to lay out (a compiled verify pads to its buckets)."""
+    tokens = host(tree.tokens)
     B, N = tokens.shape
-    keep = keep & ((parent >= 0) | (np.arange(N) == 0))
+    ar = np.arange(N)
+    keep = keep & ((ht.parent >= 0) | (ar == 0))
     rows = np.arange(B)[:, None]
     if compact:
         Nv = min(N, max(int(keep.sum(1).max()), width))
         order = np.argsort(~keep, axis=1, kind="stable")[:, :Nv]  # kept first, in their order
     else:
-        Nv, order = N, np.broadcast_to(np.arange(N), (B, N))
-    kept = keep[rows, order]
+        Nv, order = N, np.broadcast_to(ar, (B, N))
+    kept = keep[rows, order]  # [B, Nv]
     new_index = np.full((B, N), -1, dtype=np.int64)
     new_index[rows, order] = np.arange(Nv)
-    old_parent = parent[rows, order]
-    new_parent = np.where(kept & (old_parent >= 0), new_index[rows, np.maximum(old_parent, 0)], -1)
-    new_tokens = np.where(kept, tokens[rows, order], tokens[:, :1])
-    out = host_tree_from_parents(new_tokens, new_parent, L_t.cpu(), max_depth)
+    old_parent = ht.parent[rows, order]
+    parent = np.where(kept & (old_parent >= 0), new_index[rows, np.maximum(old_parent, 0)], -1)
+    eye = np.eye(Nv, dtype=bool)
+    mask = (ht.mask[rows[:, :, None], order[:, :, None], order[:, None, :]] & kept[:, :, None] & kept[:, None, :]) | eye
+    depth = np.where(kept, ht.depth[rows, order], 0)
+    sib = (parent[:, :, None] == parent[:, None, :]) & (parent[:, :, None] >= 0)  # [B, j, k]
+    nxt = first_index(parent[:, None, :] == np.arange(Nv)[None, :, None], Nv)
+    nsib = first_index(sib & (np.arange(Nv)[None, None, :] > np.arange(Nv)[None, :, None]), Nv)
+    t = torch.from_numpy
     dev = tree.tokens.device
+    out = Tree(tokens=t(np.where(kept, tokens[rows, order], tokens[:, :1])), positions=None, mask=t(mask),
+               parent=t(parent), depth=t(depth), next_token=t(nxt), next_sibling=t(nsib),
+               retrieve_index=t(rows * Nv + np.arange(Nv)))
     if dev.type != "cpu":
-        out = Tree(*(t.to(dev) for t in (out.tokens, out.positions, out.mask, out.parent, out.depth,
-                                         out.next_token, out.next_sibling, out.retrieve_index)))
+        out = Tree(*(x.to(dev) if x is not None else None for x in (
+            out.tokens, None, out.mask, out.parent, out.depth, out.next_token, out.next_sibling, out.retrieve_index)))
+    out.positions = L_t[:, None] + out.depth
     if draft_probs is not None:
-        draft_probs = draft_probs.gather(1, torch.from_numpy(np.ascontiguousarray(order)).to(dev)[:, :, None]
+        draft_probs = draft_probs.gather(1, t(np.ascontiguousarray(order)).to(dev)[:, :, None]
                                          .expand(-1, -1, draft_probs.shape[-1]))
-    return out, draft_probs, None if conf is None else conf[rows, order]
+    rank = (sib & (np.arange(Nv)[None, None, :] < np.arange(Nv)[None, :, None])).sum(-1)
+    return out, HostTree(parent, depth, mask, rank), draft_probs, None if conf is None else conf[rows, order]

@@ -2,7 +2,7 @@
 
 A tiny random model over a 6-token vocabulary decodes 3 tokens for thousands of requests (each
 with its own seed); the joint law of the 3 tokens is compared with the exact target law
-(computed by enumeration) by a chi-square test. alpha = 1e-4 per test: with the 7 tests here,
+(computed by enumeration) by a chi-square test. alpha = 1e-4 per test: with the 9 tests here,
 the false-alarm rate of the file is below 0.1 %. A deliberately wrong verifier is caught.
 """
 
@@ -69,6 +69,11 @@ SHAPES = [
                                                                "draft.num_draft_tokens=5"]),
     ("standalone chain, rejection sampling", ["draft=standalone", "draft.topk=1", "draft.num_steps=2"]),
     ("standalone tree", ["draft=standalone", "draft.topk=2", "draft.num_steps=2", "draft.num_draft_tokens=5"]),
+    # trimmed trees: which nodes are verified depends on the draft alone, so the law is unchanged
+    ("standalone chain trimmed by speculation=cost", ["draft=standalone", "draft.topk=1", "draft.num_steps=2",
+                                                       "speculation=cost"]),
+    ("eagle tree trimmed by speculation=adaptive", ["draft.topk=2", "draft.num_steps=2", "draft.num_draft_tokens=5",
+                                                    "speculation=adaptive"]),
 ]
 
 

@@ -1,17 +1,22 @@
 """speculation.acceptance: path probabilities, the host rebuild of the accepted path, and what a verify teaches."""
 import numpy as np
 
+import torch
+
 from specpipe.speculation.acceptance import Acceptance, accepted_nodes, sibling_rank
+from specpipe.stages.tree_layout import tree_from_parents
 
 # root 0; 1 and 2 children of the root; 3 child of 1; 4 child of 3; 5 unlinked padding
 PARENT = np.array([[-1, 0, 0, 1, 3, -1]])
 DEPTH = np.array([[0, 1, 1, 2, 3, 0]])
+MASK = tree_from_parents(torch.arange(6)[None], torch.from_numpy(PARENT), torch.tensor([0]), 4).mask.numpy()
+RANK = sibling_rank(PARENT)
 
 
 def test_path_probability_is_the_product_along_the_path_and_never_grows():
     acc = Acceptance()
     conf = np.array([[1.0, 0.99, 0.2, 0.99, 0.99, 0.0]])
-    p = acc.path_probs(PARENT, DEPTH, conf)
+    p = acc.path_probs(PARENT, DEPTH, MASK, conf)
     a = acc.rates()
     assert p[0, 0] == 1.0 and p[0, 5] == 0.0
     assert np.isclose(p[0, 4], a[7, 0] * a[7, 1] * a[7, 2])
@@ -24,10 +29,10 @@ def test_sibling_rank_counts_earlier_siblings():
 
 def test_accepted_nodes_follow_the_ranks_read_back():
     # two drafts accepted: depth 1 took the first child (node 1), depth 2 node 3
-    acc = accepted_nodes(PARENT, DEPTH, np.array([2]), np.array([[0, 0, 0]]))
+    acc = accepted_nodes(MASK, DEPTH, RANK, np.array([2]), np.array([[0, 0, 0]]))
     assert acc.tolist() == [[True, True, False, True, False, False]]
     # depth 1 took the second child (node 2): nothing below it was drafted
-    acc = accepted_nodes(PARENT, DEPTH, np.array([1]), np.array([[1, 0, 0]]))
+    acc = accepted_nodes(MASK, DEPTH, RANK, np.array([1]), np.array([[1, 0, 0]]))
     assert acc.tolist() == [[True, False, True, False, False, False]]
 
 
@@ -48,5 +53,5 @@ def test_without_confidence_siblings_learn_apart():
     acc = Acceptance()
     for _ in range(50):
         acc.observe(PARENT, DEPTH, None, np.array([[True, True, False, False, False, False]]))
-    p = acc.path_probs(PARENT, DEPTH, None)
+    p = acc.path_probs(PARENT, DEPTH, MASK, None)
     assert p[0, 1] > 0.9 and p[0, 2] < 0.1

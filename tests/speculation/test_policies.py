@@ -98,3 +98,9 @@ def test_completions_carry_the_counts(tmp_path):
     assert sum(x["num_accepted_tokens"] for x in lines) == m["num_accepted_tokens"]
     assert all(sum(x["acceptance_histogram"]) > 0 for x in lines)
     assert m["speculation"]["policy"] == "cost"
+
+
+def test_a_policy_with_draft_none_is_noted_as_unread(capsys):
+    run(compose("model=tiny", "draft=none", "speculation=cost", "workload.num_prompts=1",
+                "workload.max_new_tokens=2"), quiet=True)
+    assert "speculation=cost is not read: draft=none drafts nothing" in capsys.readouterr().err
