@@ -26,13 +26,10 @@ model.safetensors} (EAGLE layout: fc.weight, fc.bias, layers.0.*) in bf16, and O
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import platform
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -47,26 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specpipe.models.attention_batch import extend_batch  # noqa: E402
 from specpipe.models.eagle import EagleHead  # noqa: E402
 from specpipe.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+# the corpus split and the LR schedule are shared with `python -m specpipe.train` (make_heldout_prompts.py imports
+# stdlib_files and is_heldout from here)
+from specpipe.train.corpus import EXCLUDED_DIRS, is_heldout, stdlib_files  # noqa: E402,F401
+from specpipe.train.loop import lr_at  # noqa: E402
 
 BOS, EOS, VOCAB = 256, 257, 258
-EXCLUDED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages"}
 console = Console(highlight=False, markup=False)
 
 
 # ----------------------------------------------------------------------------------------- corpus
-
-def stdlib_files() -> tuple[Path, list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS and d != "__pycache__")
-        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
-    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def is_heldout(rel: str, heldout_mod: int) -> bool:
-    return int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % heldout_mod == 0
-
 
 def build_corpus(heldout_mod: int, bos: bool):
     root, files = stdlib_files()
@@ -169,13 +156,6 @@ def save_eagle(head: EagleHead, cfg: LlamaConfig, folder: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------- training
-
-def lr_at(progress: float, peak: float, warmup: float, floor: float) -> float:
-    if progress < warmup:
-        return peak * max(progress, 1e-3) / warmup
-    t = min(1.0, (progress - warmup) / max(1e-9, 1.0 - warmup))
-    return peak * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t)))
-
 
 def sample_batch(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, stream.numel() - length - 1, (batch,), generator=gen)

@@ -1,0 +1,198 @@
+"""The token sequences a head trains and is measured on: corpus pieces (through the chat template where the target
+has one) and self-distillation, the target's own continuations decoded by specpipe (`specpipe.run.run`, plain
+decoding, half greedy and half sampled), within the share of the time budget `data.distill_share` gives.
+
+Held out: the pieces of held-out sources, and the target's greedy continuations of held-out prompts, whose
+generated part is exactly what the target emits (the simulated acceptance reads it; `Seq.score_from` marks it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from omegaconf import DictConfig, open_dict
+
+from specpipe.notes import logger
+from specpipe.train.corpus import (as_chat, distill_messages, everyday_requests, is_heldout, pieces, read_text,
+                                   sources, stable_hash, title_of)
+
+log = logger(__name__)
+
+
+@dataclass
+class Seq:
+    ids: list  # token ids
+    # the first position whose target distribution is a label (0: all; a continuation: the prompt's last position,
+    # whose distribution gives the first generated token)
+    score_from: int = 0
+    origin: str = "corpus"  # corpus | greedy | sampled
+
+
+@dataclass
+class Data:
+    train: list = field(default_factory=list)  # [Seq]
+    heldout: list = field(default_factory=list)  # corpus pieces of held-out sources
+    heldout_greedy: list = field(default_factory=list)  # greedy continuations of held-out prompts
+    stats: dict = field(default_factory=dict)
+
+
+def uses_chat(cfg: DictConfig, tokenizer) -> bool:
+    return cfg.data.chat == "auto" and getattr(tokenizer, "chat_template", None) is not None
+
+
+def encode_piece(tokenizer, chat: bool, messages: list) -> list:
+    """A conversation's ids through the chat template, or the assistant's text as is."""
+    from specpipe.workload.tokenizer import encode_rendered
+
+    if chat:
+        return encode_rendered(tokenizer, tokenizer.chat_template.render(messages, add_generation_prompt=False))
+    return tokenizer.encode(messages[-1]["content"])
+
+
+def corpus(cfg: DictConfig, tokenizer) -> tuple[list, list, list]:
+    """(train Seqs, held-out Seqs, distillation requests as (text, source kind, held out)) from the corpora."""
+    chat, d = uses_chat(cfg, tokenizer), cfg.data
+    train, held, asks, chars = [], [], [], 0
+    found = sources(list(d.sources), list(d.dirs))
+    if d.max_chars is not None:  # a sample of the sources, the same for every run
+        found.sort(key=lambda s: stable_hash("source", s.name))
+    for src in found:
+        out = is_heldout(src.name, d.heldout_mod)  # (held-out sources are read whatever data.max_chars says)
+        if not out and d.max_chars is not None and chars >= d.max_chars:
+            continue
+        text = read_text(src.path)
+        if text is None:
+            continue
+        chars += 0 if out else len(text)
+        title = title_of(src, text)
+        for i, piece in enumerate(pieces(text, d.chunk_chars)):
+            ids = encode_piece(tokenizer, chat, as_chat(src, title, piece, i))
+            (held if out else train).append(Seq(ids, 0, "corpus"))
+            if chat:
+                asks.append((distill_messages(src, title, piece, i), src.kind, out))
+            else:  # a context to continue: the piece's first part, cut at a line end
+                head = "".join(piece.splitlines(keepends=True)[:max(3, piece.count("\n") // 3)])
+                asks.append((head, src.kind, out))
+    asks.sort(key=lambda a: stable_hash(cfg.seed, a[0]))
+    if chat:  # a chat model is asked more than code and docs: every third request is an everyday one
+        n = sum(1 for a in asks if not a[2])
+        everyday = [(t, "chat", is_heldout(t, d.heldout_mod)) for t in everyday_requests(n // 2 + 1, cfg.seed)]
+        m = min(len(everyday), len(asks) // 2)
+        asks = [a for i in range(m) for a in (everyday[i], asks[2 * i], asks[2 * i + 1])] + asks[2 * m:] + everyday[m:]
+    return train, held, asks
+
+
+def decode_config(cfg: DictConfig, overrides: list[str], values: Optional[dict] = None) -> DictConfig:
+    """A config of `python -m specpipe` for the train config's target and device, with `overrides`, then `values`
+    (dotted key -> value, set after composing: a path is never parsed as override grammar)."""
+    from omegaconf import OmegaConf
+
+    from specpipe.config.build import group_targets
+    from specpipe.config.compose import compose_config
+
+    option = next(o for o, t in group_targets("model").items() if t == cfg.model._target_)
+    main = compose_config([f"model={option}", "device.weight_layout=row", f"seed={cfg.seed}", *overrides])
+    with open_dict(main):
+        for k in cfg.model:
+            main.model[k] = cfg.model[k]
+        for k in cfg.device:
+            if k != "weight_layout":
+                main.device[k] = cfg.device[k]
+        for k, v in (values or {}).items():
+            OmegaConf.update(main, k, v)
+    return main
+
+
+def prompt_ids(tokenizer, text: str, chat: bool, room: int) -> Optional[list]:
+    """A request's ids: a chat's through the template (None when longer than `room`), a text's last `room`."""
+    from specpipe.workload.tokenizer import encode_chat
+
+    if chat:
+        ids = encode_chat(tokenizer, [{"role": "user", "content": text}])[1]
+        return ids if len(ids) <= room else None
+    return tokenizer.encode(text)[-room:]
+
+
+def generate(cfg: DictConfig, pair, asks: list, chat: bool, new_tokens: int, batch: int, temperature: float,
+             seed: int) -> list[Seq]:
+    """The target's continuations of `asks` (plain decoding through specpipe.run.run), every other one sampled at
+    `temperature` (0: all greedy): prompt + output as a Seq whose labels start at the prompt's last position.
+    Prompts are cut (texts) or left out (chats) to leave room for `new_tokens` in the target's context."""
+    from specpipe.run import run
+
+    room = pair.target.config.max_position_embeddings - new_tokens - 1
+    items = []
+    for i, (text, _, _) in enumerate(asks):
+        ids = prompt_ids(pair.tokenizer, text, chat, room) if room > 0 else None
+        if ids:
+            items.append({"prompt_ids": ids, "temperature": temperature if i % 2 else 0.0, "seed": seed + i})
+    if not items:
+        return []
+    main = decode_config(cfg, ["draft=none", f"workload.max_new_tokens={new_tokens}",
+                               f"workload.batch_size={batch}"])
+    reqs = run(main, quiet=True, pair=pair, items=items)["requests"]
+    pair.target.kv = None  # the decode's KV pool: the features' forwards need none
+    return [Seq(list(r.prompt_ids) + list(r.output_ids), max(1, len(r.prompt_ids) - 1),
+                "sampled" if it["temperature"] else "greedy")
+            for r, it in zip(reqs, items) if r.error is None and r.output_ids]
+
+
+def distill(cfg: DictConfig, pair, asks: list, chat: bool, seconds: float, tick: Callable) -> list[Seq]:
+    """Continuations of the training asks until `seconds` are spent (half greedy, half sampled); a batch is not
+    started when the last one says it would not finish in time."""
+    d, t0, out, took = cfg.data, time.perf_counter(), [], 0.0
+    todo = [a for a in asks if not a[2]]
+    for at in range(0, len(todo), d.distill_batch):
+        left = seconds - (time.perf_counter() - t0)
+        if left <= 0 or took > left:
+            break
+        t1 = time.perf_counter()
+        out += generate(cfg, pair, todo[at:at + d.distill_batch], chat, d.distill_new_tokens, d.distill_batch,
+                        d.distill_temperature, cfg.seed * 1000003 + at)
+        took = time.perf_counter() - t1
+        tick(time.perf_counter() - t0, f"{len(out)} continuations, {sum(len(s.ids) for s in out) / 1e3:.0f}k tok")
+    return out
+
+
+def prepare_data(cfg: DictConfig, pair, seconds: float, tick: Optional[Callable] = None) -> Data:
+    """Corpus pieces, the held-out prompts' greedy continuations, then self-distillation within `seconds`."""
+    tick = tick or (lambda *a: None)
+    t0 = time.perf_counter()
+    chat = uses_chat(cfg, pair.tokenizer)
+    train, held, asks = corpus(cfg, pair.tokenizer)
+    if not train:
+        from specpipe.errors import ConfigError
+
+        raise ConfigError(f"the corpora data.sources={list(cfg.data.sources)} data.dirs={list(cfg.data.dirs)} hold "
+                          f"no training text (every source is empty, unreadable or held out)")
+    held_asks = [a for a in asks if a[2]][:cfg.eval.heldout_prompts]
+    greedy = generate(cfg, pair, held_asks, chat, cfg.eval.max_new_tokens, cfg.data.distill_batch, 0.0,
+                      cfg.seed + 7) if held_asks else []
+    tick(time.perf_counter() - t0, f"{len(greedy)} held-out continuations")
+    own = distill(cfg, pair, asks, chat, seconds - (time.perf_counter() - t0), tick) if cfg.data.distill_share else []
+    stats = {"chat_template": chat, "corpus_pieces": len(train), "corpus_tokens": sum(len(s.ids) for s in train),
+             "distill_sequences": len(own), "distill_tokens": sum(len(s.ids) for s in own),
+             "distill_greedy": sum(s.origin == "greedy" for s in own),
+             "distill_sampled": sum(s.origin == "sampled" for s in own),
+             "heldout_pieces": len(held), "heldout_prompts": len(greedy),
+             "heldout_generated_tokens": sum(len(s.ids) - s.score_from for s in greedy),
+             "seconds": round(time.perf_counter() - t0, 1)}
+    return Data(train=own + train, heldout=held, heldout_greedy=greedy, stats=stats)
+
+
+def data_state(data: Data) -> dict:
+    """The data as tensors and plain values (a checkpoint loads it with torch.load(weights_only=True))."""
+    import torch
+
+    def pack(seqs):
+        return {"ids": [torch.tensor(s.ids, dtype=torch.int32) for s in seqs],
+                "score_from": [s.score_from for s in seqs], "origin": [s.origin for s in seqs]}
+    return {"train": pack(data.train), "heldout": pack(data.heldout), "heldout_greedy": pack(data.heldout_greedy),
+            "stats": data.stats}
+
+
+def data_from_state(state: dict) -> Data:
+    def unpack(p):
+        return [Seq(t.tolist(), f, o) for t, f, o in zip(p["ids"], p["score_from"], p["origin"])]
+    return Data(unpack(state["train"]), unpack(state["heldout"]), unpack(state["heldout_greedy"]), state["stats"])
