@@ -16,6 +16,7 @@ import torch
 
 from specpipe.speculation.acceptance import sibling_rank
 from specpipe.stages.build_tree import Tree
+from specpipe.stages.tree_layout import host_links
 
 
 def host(t: torch.Tensor) -> np.ndarray:
@@ -35,12 +36,6 @@ class HostTree:
     def of(cls, tree: Tree) -> "HostTree":
         parent = host(tree.parent)
         return cls(parent, host(tree.depth), host(tree.mask), sibling_rank(parent))
-
-
-def first_index(hit: np.ndarray, N: int) -> np.ndarray:
-    """[B, N] the smallest k with hit[b, j, k], else -1."""
-    idx = np.where(hit, np.arange(N), N).min(-1)
-    return np.where(idx < N, idx, -1)
 
 
 def trim(tree: Tree, ht: HostTree, keep: np.ndarray, L_t: torch.Tensor, compact: bool, width: int = 0,
@@ -65,9 +60,7 @@ def trim(tree: Tree, ht: HostTree, keep: np.ndarray, L_t: torch.Tensor, compact:
     eye = np.eye(Nv, dtype=bool)
     mask = (ht.mask[rows[:, :, None], order[:, :, None], order[:, None, :]] & kept[:, :, None] & kept[:, None, :]) | eye
     depth = np.where(kept, ht.depth[rows, order], 0)
-    sib = (parent[:, :, None] == parent[:, None, :]) & (parent[:, :, None] >= 0)  # [B, j, k]
-    nxt = first_index(parent[:, None, :] == np.arange(Nv)[None, :, None], Nv)
-    nsib = first_index(sib & (np.arange(Nv)[None, None, :] > np.arange(Nv)[None, :, None]), Nv)
+    nxt, nsib = host_links(parent)
     t = torch.from_numpy
     dev = tree.tokens.device
     out = Tree(tokens=t(np.where(kept, tokens[rows, order], tokens[:, :1])), positions=None, mask=t(mask),
@@ -80,5 +73,5 @@ def trim(tree: Tree, ht: HostTree, keep: np.ndarray, L_t: torch.Tensor, compact:
     if draft_probs is not None:
         draft_probs = draft_probs.gather(1, t(np.ascontiguousarray(order)).to(dev)[:, :, None]
                                          .expand(-1, -1, draft_probs.shape[-1]))
-    rank = (sib & (np.arange(Nv)[None, None, :] < np.arange(Nv)[None, :, None])).sum(-1)
-    return out, HostTree(parent, depth, mask, rank), draft_probs, None if conf is None else conf[rows, order]
+    return out, HostTree(parent, depth, mask, sibling_rank(parent)), draft_probs, \
+        None if conf is None else conf[rows, order]

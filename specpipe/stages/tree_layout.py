@@ -59,13 +59,19 @@ def host_tree_from_parents(tokens: np.ndarray, parent: np.ndarray, seq_lens: Ten
     anc = anc & reach[:, :, None] | eye
     depth = np.where(reach, depth, 0).astype(np.int64)
     parent = np.where(reach, parent, -1)
-    child = parent[:, None, :] == ar[None, :, None]
-    first = np.where(child, ar, N).min(-1)
+    next_token, next_sibling = host_links(parent)
+    t = torch.from_numpy
+    return Tree(tokens=t(tokens), positions=seq_lens[:, None] + t(depth), mask=t(anc), parent=t(parent),
+                depth=t(depth), next_token=t(next_token), next_sibling=t(next_sibling),
+                retrieve_index=t(np.arange(B)[:, None] * N + ar))
+
+
+def host_links(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's first child and next sibling [B, N] (-1: none) from its local parent (host arrays)."""
+    N = parent.shape[1]
+    ar = np.arange(N)
+    first = np.where(parent[:, None, :] == ar[None, :, None], ar, N).min(-1)
     sib = (parent[:, :, None] == parent[:, None, :]) & (ar[None, None, :] > ar[None, :, None]) \
         & (parent[:, :, None] >= 0)
     nsib = np.where(sib, ar, N).min(-1)
-    t = torch.from_numpy
-    return Tree(tokens=t(tokens), positions=seq_lens[:, None] + t(depth), mask=t(anc), parent=t(parent),
-                depth=t(depth), next_token=t(np.where(first < N, first, -1).astype(np.int64)),
-                next_sibling=t(np.where(nsib < N, nsib, -1).astype(np.int64)),
-                retrieve_index=t(np.arange(B)[:, None] * N + ar))
+    return np.where(first < N, first, -1).astype(np.int64), np.where(nsib < N, nsib, -1).astype(np.int64)
