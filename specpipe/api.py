@@ -20,7 +20,7 @@ import numbers
 import queue
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -246,6 +246,9 @@ class Completion:
     finish_reason: str  # stop | length | error
     error: Optional[str] = None
     logprobs: Optional[list] = None  # generate(logprobs=True): each output token's raw target log-probability
+    # its telemetry as completions.jsonl writes it: num_draft_tokens, num_accepted_tokens, acceptance_histogram, and
+    # for a constrained request its constraint, grammar_forced_tokens, grammar_pruned_tokens, ... (docs/outputs.md)
+    stats: dict = field(default_factory=dict)
 
 
 def scalar(v: Any) -> Any:
@@ -464,9 +467,12 @@ class SpecPipe:
             if deltas is not None:  # requests that never ran (bad prompts) get their one, final event
                 deltas(out["requests"])
         self.metrics = out["metrics"]
+        from specpipe.outputs.files import request_stats
+
         return [Completion(r.index, r.prompt, list(r.output_ids), output_text(self.pair.tokenizer, r.prompt_ids,
                                                                                 r.output_ids), r.finish_reason, r.error,
-                           None if r.logprobs is None else list(r.logprobs)) for r in out["requests"]]
+                           None if r.logprobs is None else list(r.logprobs), request_stats(r))
+                for r in out["requests"]]
 
     def stream(self, prompts: Sequence[Any], max_new_tokens: Optional[int] = None,
                stop: Optional[str | Sequence[str]] = None, out_dir: Optional[str] = None,

@@ -24,11 +24,14 @@ from specpipe.config.validate import run_stop_strings, validate
 from specpipe.decode.metrics import Metrics, recompile_count, recompile_limit_hits
 from specpipe.decode.plain import PlainPipeline
 from specpipe.decode.request import Request
-from specpipe.decode.requests import any_sampled, make_requests, pool_demand, running_batch, seed_requests
+from specpipe.decode.requests import (any_sampled, forced_chains, make_requests, pool_demand, running_batch,
+                                     seed_requests)
 from specpipe.decode.sampling import SamplingState
 from specpipe.decode.scheduler import run_requests
 from specpipe.decode.speculative import SpecPipeline
+from specpipe.grammar.tree import build_grammar
 from specpipe.drafters.base import DraftSetup
+from specpipe.drafters.none import RootOnly
 from specpipe.errors import ConfigError, OutputError
 from specpipe.models.cache import (
     check_context,
@@ -96,6 +99,10 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
     # requests that never run (a prompt refused as too long) size nothing: one stray document cost gigabytes
     longest = max((len(r.prompt_ids) for r in reqs if not r.finished), default=1)
     tree = d.num_draft_tokens + d.topk * d.num_steps if schema.speculates else 3  # (draft=none reads neither)
+    constrained = any(r.constraint is not None and not r.finished for r in reqs)
+    jump = forced_chains(cfg, reqs)  # draft=none: the grammar's forced chains are the only drafts
+    if jump:
+        tree = cfg.grammar.max_forced_tokens + 1
     max_context = longest + cfg.workload.max_new_tokens + tree + 2 * allocator.page_size + 1
     max_requests = running_batch(cfg, reqs)
     eos = None if cfg.workload.get("ignore_eos") else stop_token_ids(pair.tokenizer)
@@ -105,16 +112,20 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
                              penalized=any(r.sampling is not None and r.sampling[3] != 1.0 for r in reqs))
     for note in schema.unread_notes(d):  # draft.path without a draft model, draft=none's tree settings
         log.info(note)
-    proposer = build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
+    proposer = RootOnly() if jump else build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
     policy = cfg.speculation._target_.rsplit(".", 2)[-2]
     if proposer is None and policy != "static":
         log.info(f"specpipe: note: speculation={policy} is not read: draft={schema.label(d)} drafts nothing")
     if proposer is None:
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling, wrap)
     else:
-        policy = get_class(cfg.speculation._target_).build(cfg, d.num_draft_tokens, d.num_steps)
+        S, N = (tree - 1, tree) if jump else (d.num_steps, d.num_draft_tokens)
+        policy = get_class(cfg.speculation._target_).build(cfg, N, S)
         pipe = SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
-                            d.num_steps, d.num_draft_tokens, wrap, sampling, policy)
+                            S, N, wrap, sampling, policy)
+    if constrained:
+        pipe.grammar = build_grammar(cfg.grammar, pair.tokenizer, pair.target.config.vocab_size, sorted(pipe.eos),
+                                     max_requests, getattr(pipe, "N", 1), getattr(pipe, "S", 0), device.torch_device)
     pipe.logprobs = bool(cfg.workload.get("logprobs"))
     pipe.unapplied_policies = unapplied_policies(cfg, wrap.asked)
     plan_rounds(cfg, pipe, proposer)
@@ -254,12 +265,13 @@ def decode(job: Job, allocator, out_dir: Optional[str], quiet: bool, on_step, ke
     partial = None
     try:
         if cfg.get("model_timing", True):
-            metrics.attach_model_timer(models, device.synchronize)
+            metrics.attach_model_timer(models, device.model_clock())  # (CUDA: events, no sync per forward)
         pipe = build_pipeline(cfg, device, job.pair, allocator, reqs, metrics, keep)
         if job.carried and getattr(pipe, "proposer", None) is not None:  # a drafter that keeps finished outputs
             pipe.proposer.finish(job.carried)  # drafts from these too, as it would have in the run that was stopped
         if pipe.compiled_model:
             device.freeze_weight_layouts(models)  # later runs on these weights keep the strides compiled for
+        device.reset_peak_memory()  # this run's peak (sweep jobs share a process)
         compiles_before, limits_before = recompile_count(), recompile_limit_hits()
         partial = open_partial(job, out_dir)
         if on_step is not None and any(r.finished for r in reqs):
@@ -271,6 +283,7 @@ def decode(job: Job, allocator, out_dir: Optional[str], quiet: bool, on_step, ke
         if partial is not None:
             partial.close()
     summary = metrics.summary(wall, recompile_count() - compiles_before)
+    summary["device_memory"] = device.memory_stats()  # (CUDA: allocated, peak, reserved bytes)
     return pipe, summary, recompile_limit_hits() - limits_before, layout
 
 

@@ -15,6 +15,7 @@ from omegaconf import MISSING
 
 from specpipe.config.drafts import (DRAFT_HEAD, DRAFT_MODEL, DraftConf, EagleDraftConf, NgramDraftConf,  # noqa: F401
                                     NoDraftConf, StandaloneDraftConf, SuffixDraftConf, draft_schema, draft_schemas)
+from specpipe.config.grammar import GRAMMAR_SCHEMAS
 from specpipe.config.speculation import SPECULATION_SCHEMAS, speculation_schema  # noqa: F401
 
 
@@ -38,13 +39,28 @@ class CpuDeviceConf(DeviceConf):
     _target_: str = "specpipe.devices.cpu.CpuDevice"
 
 
+# `graph` branches capture these batch sizes (rows of a branch's inputs: requests, or requests x topk for the draft
+# decode) at warm-up and pad a batch up to the next one, as sglang's cuda_graph_bs; a larger batch is captured at its
+# own size with a note (devices/graphs.py)
+GRAPH_BATCH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+# ... and pad an attention batch's key columns up to the next of these (a longer context: its own size, with a note)
+GRAPH_CONTEXT_BUCKETS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+
+
 @dataclass
-class CudaDeviceConf(DeviceConf):
+class GraphDeviceConf(DeviceConf):
+    """A device with graph capture (compile policy `graph`): the sizes it captures ([]: every exact shape)."""
+    graph_batch_sizes: list[int] = field(default_factory=lambda: list(GRAPH_BATCH_SIZES))
+    graph_context_buckets: list[int] = field(default_factory=lambda: list(GRAPH_CONTEXT_BUCKETS))
+
+
+@dataclass
+class CudaDeviceConf(GraphDeviceConf):
     _target_: str = "specpipe.devices.cuda.CudaDevice"
 
 
 @dataclass
-class NpuDeviceConf(DeviceConf):
+class NpuDeviceConf(GraphDeviceConf):
     _target_: str = "specpipe.devices.npu.NpuDevice"
 
 
@@ -275,6 +291,7 @@ class Config:
     compile: Any = MISSING
     workload: Any = MISSING
     speculation: Any = MISSING  # how much of each draft tree a step verifies (config/speculation.py)
+    grammar: Any = MISSING  # the engine of constrained requests' token masks (config/grammar.py)
     sampling: SamplingConf = field(default_factory=SamplingConf)
     seed: int = 0
     # skip a job whose output dir holds metrics.json from the same config; a stopped one decodes only the requests it
@@ -295,6 +312,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "compile": {"policy": CompileConf},
     "workload": {"workload": WorkloadConf},
     "speculation": SPECULATION_SCHEMAS,
+    "grammar": GRAMMAR_SCHEMAS,
 }
 
 

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpipe.config.build import target_problems
 from specpipe.config.compile_policy import PolicyError, device_problem, parse_policy
+from specpipe.config.grammar import GrammarConf
 from specpipe.errors import ConfigError
 from specpipe.config.schema import (DRAFT_HEAD, DRAFT_MODEL, PROMPT_SET_HELP, PROMPT_SET_NAMES, SAMPLING_RULES,
                                     draft_schema, draft_schemas, speculation_schema)
@@ -136,6 +137,8 @@ def validate(cfg: DictConfig) -> None:
     _device(cfg, errors)
     _draft(cfg.draft, errors)
     speculation_schema(cfg.speculation).check(cfg.speculation, errors)
+    if cfg.get("grammar") is not None:
+        GrammarConf.check(cfg.grammar, errors)
     _compile(cfg, errors)
     _workload(cfg, errors)
     _allocator(cfg, errors)
@@ -178,6 +181,11 @@ def _device(cfg: DictConfig, errors: list) -> None:
         errors.append(f"device.weight_layout={layout!r} is not valid: use one of {', '.join(LAYOUTS)} (auto times "
                       "row-major, column-major and oneDNN-packed storage per weight shape on CPU and keeps the "
                       "fastest; packed runs as row on other devices)")
+    for key in ("graph_batch_sizes", "graph_context_buckets"):
+        sizes = list(cfg.device.get(key) or [])
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes) or sizes != sorted(set(sizes)):
+            errors.append(f"device.{key}={sizes} must list sizes >= 1 in ascending order, each once (or [] to "
+                          f"capture every exact shape)")
     if cfg.device.get("num_threads") is not None and cfg.device.num_threads < 1:
         errors.append(f"device.num_threads={cfg.device.num_threads} must be >= 1 (or null for torch's default)")
     elif cfg.device.get("num_threads") is not None and cfg.device.num_threads > MAX_THREADS:

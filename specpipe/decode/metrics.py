@@ -1,8 +1,9 @@
 """Run metrics. Conventions follow vLLM's where one exists: the acceptance length counts the bonus token.
 
-Stage times are wall time around each stage; `model` time is measured around device-synchronized
-forward calls of the models (forward hooks), so `stage_host_ms` = stage time - model time is the
-host overhead (Python, small kernels, bookkeeping) per decode step.
+Stage times are wall time around each stage; `model` time is measured around the forward calls of the
+models (forward hooks) by the device's model clock: a host clock with the device synchronized around
+each forward (CPU, NPU), or CUDA events (no sync: the GPU time between them). `stage_host_ms` = stage
+time - model time is the host overhead (Python, small kernels, bookkeeping) per decode step.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class Metrics:
         self.retractions = 0
         self._depth = [0, 0.0]  # timed forwards open, start of the outermost
         self._outer = 0  # > 0 inside a branch timed by model_branch: the hooks stand aside
-        self._synchronize = lambda: None
+        self._clock = None  # attach_model_timer's (devices/base.py HostClock, devices/cuda.py EventClock)
         self.timed = False  # attach_model_timer ran: model time was measured (else the split is unknown)
 
     @contextmanager
@@ -84,15 +85,18 @@ class Metrics:
             self.stage_s[name] += time.perf_counter() - t
             self.current = prev
 
-    def attach_model_timer(self, modules, synchronize) -> None:
-        """Time every forward of these modules, synchronizing the device around each call.
+    def attach_model_timer(self, modules, clock) -> None:
+        """Time every forward of these modules with `clock` (a device's `model_clock()`, or a synchronize
+        callable: the host clock with the device synchronized around each call).
 
         The hooks are registered once per module and stay: each run points them at its own Metrics and `detach`
         points them at nothing. Registering fresh hooks every run changed the modules' hook dicts, which a
         compiled branch that calls the module guards on: every API call and sweep job recompiled it, and
         after 8 Dynamo ran it eager. The hooks do nothing while Dynamo traces them (a clock read would break
         the graph, and a compiled branch never calls them again), nor inside a branch `model_branch` times."""
-        self._synchronize = synchronize
+        from specpipe.devices.base import HostClock
+
+        self._clock = clock if hasattr(clock, "begin") else HostClock(clock)
         self.timed = True
         # the logits come from a separate call (`model.logits(hidden)`), outside forward: the vocabulary
         # projection, the largest GEMM of a real model, is model time too (an EAGLE head may share the target's)
@@ -106,8 +110,7 @@ class Metrics:
 
     def _forward_begins(self) -> None:
         if self._depth[0] == 0:
-            self._synchronize()
-            self._depth[1] = time.perf_counter()
+            self._depth[1] = self._clock.begin()
         self._depth[0] += 1
 
     def _forward_ends(self) -> None:
@@ -115,8 +118,7 @@ class Metrics:
             return
         self._depth[0] -= 1
         if self._depth[0] == 0:  # a call inside a timed one (an lm_head inside a forward) is counted once
-            self._synchronize()
-            self.model_s[self.current] += time.perf_counter() - self._depth[1]
+            self._clock.end(self._depth[1], self.current, self.model_s)
 
     def model_branch(self, fn):
         """`fn` (a compiled or captured branch that runs a model forward) timed as model time, as a whole
@@ -124,15 +126,13 @@ class Metrics:
         def timed(*args, **kwargs):
             if not self.timed:
                 return fn(*args, **kwargs)
-            self._synchronize()
-            t = time.perf_counter()
+            t = self._clock.begin()
             self._outer += 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._outer -= 1
-                self._synchronize()
-                self.model_s[self.current] += time.perf_counter() - t
+                self._clock.end(t, self.current, self.model_s)
         timed.__wrapped__ = fn
         return timed
 
@@ -183,6 +183,8 @@ class Metrics:
         }
 
     def summary(self, wall_s: float, recompiles: int) -> dict:
+        if self._clock is not None:
+            self._clock.settle(self.model_s)  # (CUDA events: read now, with one sync)
         steps = max(1, self.num_verify_steps)
         stage_ms = {k: 1000 * v / steps for k, v in sorted(self.stage_s.items())}
         model_ms = {k: 1000 * self.model_s.get(k, 0.0) / steps for k in stage_ms}

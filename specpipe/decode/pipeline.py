@@ -17,6 +17,7 @@ from specpipe.decode.metrics import Metrics
 from specpipe.decode.prefill import Prefill
 from specpipe.decode.request import Request, stop_set
 from specpipe.decode.sampling import SamplingState
+from specpipe.grammar.tree import apply
 from specpipe.models.attention_batch import AttentionBatch, extend_batch
 from specpipe.stages.finite import finite_rows
 from specpipe.stages.padding import bucket
@@ -46,6 +47,7 @@ class Pipeline:
         self.prefill = PrefillForward(target)  # the padded prefill's forward (bound by the subclasses)
         self.finished_log: list[Request] = []  # finished since the runner last looked (it drains this)
         self.logprobs = False  # workload.logprobs: record each committed token's raw target log-probability
+        self.grammar = None  # a grammar.tree.TreeGrammar when some request is constrained (response_format, ...)
 
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)
@@ -158,6 +160,24 @@ class Pipeline:
                 break
         self.metrics.generated_tokens += kept
         return kept
+
+    def append_checked(self, req: Request, tokens: list, logprobs: Optional[list] = None) -> int:
+        """`append_tokens` after the request's grammar (if any) takes them: a token it refuses and what follows are
+        dropped; the request then stops (its grammar is complete) or fails with the reason (a dead end), its valid
+        output kept."""
+        n, why = (len(tokens), "") if self.grammar is None else self.grammar.commit(req, tokens)
+        if n == len(tokens):
+            return self.append_tokens(req, tokens, logprobs)
+        kept = self.append_tokens(req, tokens[:n], None if logprobs is None else logprobs[:n])
+        if kept == n and not why:  # its grammar is complete: nothing may follow
+            req.finish_reason = req.finish_reason or "stop"
+        elif kept == n and req.finish_reason in (None, "length"):  # (an EOS or stop string before it ends it well)
+            req.finish_reason, req.error = "error", why
+        return kept
+
+    def allowed_next(self, reqs: list[Request]):
+        """[B, V] bool: what each request's grammar allows next (None: no request is constrained)."""
+        return None if self.grammar is None else self.grammar.root_masks(self.grammar.of(reqs))
 
     def raw_logits(self, logits: Tensor):
         """With workload.logprobs: (logits as the model gave them, their log-sum-exp per row), taken before
@@ -313,6 +333,8 @@ class Pipeline:
         """Prefill and join the running batch; False (nothing changed) when the KV pool is too full."""
         if not self.admit_fits(reqs):
             return False
+        if self.grammar is not None:
+            self.grammar.admit(reqs)  # (a constraint that cannot be built fails its request)
         with self.metrics.stage("prefill"):
             out = self.prefill_target(reqs)
             if out is None:
@@ -326,7 +348,8 @@ class Pipeline:
             if self.sampling.penalized:
                 self.sampling.limit(int(max(len(r.prefill_ids) for r in reqs)) + 1)
             raw = self.raw_logits(logits)
-            first = self.sampling.sample_next(logits, last + 1, new_rows)  # the token at position len(prefill)
+            first = self.sampling.sample_next(apply(logits, self.allowed_next(reqs)), last + 1,
+                                              new_rows)  # the token at position len(prefill)
             resumed = [r.resumed for r in reqs]
             if any(resumed):  # their newest token is already generated: it is the root again
                 known = torch.tensor([r.output_ids[-1] if r.resumed else 0 for r in reqs], dtype=first.dtype)
@@ -337,14 +360,14 @@ class Pipeline:
                                        self.token_logprobs(raw, first[:, None]))
             now = time.perf_counter()
             for i, (r, (t, ok)) in enumerate(zip(reqs, host)):
-                if r.resumed:
+                if r.resumed or r.finished:
                     continue
                 if not ok:
                     self.fail(r, "the target's logits contained NaN or inf at prefill")
                     continue
                 if lps is not None and r.logprobs is None:
                     r.logprobs = []
-                self.append_tokens(r, [t], None if lps is None else lps[i])
+                self.append_checked(r, [t], None if lps is None else lps[i])
                 if r.retractions == 0:
                     self.metrics.first_token_s.append(now - r.t_submit)
             self.join(reqs, pf, first)
@@ -365,6 +388,8 @@ class Pipeline:
         if not done:
             return []
         self.finished_log.extend(done)
+        if self.grammar is not None:
+            self.grammar.finish(done)
         keep = np.asarray([not r.finished for r in self.reqs])
         self.prep.release_rows(self.rows[~keep].tolist())
         self.reqs = [r for r in self.reqs if not r.finished]

@@ -11,6 +11,7 @@ from specpipe.decode.metrics import Metrics
 from specpipe.decode.pipeline import Pipeline
 from specpipe.decode.request import Request
 from specpipe.decode.sampling import SamplingState
+from specpipe.grammar.tree import apply
 from specpipe.models.attention_batch import extend_batch
 from specpipe.stages.finite import finite_rows
 from specpipe.stages.padding import bucket
@@ -46,10 +47,14 @@ class PlainPipeline(Pipeline):
                 self.sampling.limit(int(L.max()) + 1)
             batch = self.prep.decorate(
                 extend_batch(self.prep.table, rows_t, L_t, torch.ones_like(L_t), 1, bucket(L.max() + 1)))
+        allowed = None
+        if self.grammar is not None:
+            with self.metrics.stage("grammar"):
+                allowed = self.allowed_next(self.reqs)  # [B, V]: what each request's grammar allows next
         with self.metrics.stage("verify"):
             logits = self.forward.target_forward(self.last_token[:, None], batch)
             raw = self.raw_logits(logits)
-            nxt = self.sampling.sample_next(logits, L_t + 1)  # [B]
+            nxt = self.sampling.sample_next(apply(logits, allowed), L_t + 1)  # [B]
             self.sampling.note(nxt[:, None])
         with self.metrics.stage("commit"):
             finite = finite_rows(logits)
@@ -57,7 +62,7 @@ class PlainPipeline(Pipeline):
                                        self.token_logprobs(raw, nxt[:, None]))
             for i, (r, (t, ok)) in enumerate(zip(self.reqs, host)):
                 if ok:
-                    self.append_tokens(r, [t], None if lps is None else lps[i])
+                    self.append_checked(r, [t], None if lps is None else lps[i])
                 else:
                     self.fail(r, "the target's logits contained NaN or inf")
             self.prep.commit(self.rows, L + 1)

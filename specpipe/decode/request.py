@@ -24,6 +24,11 @@ class Request:
     logprobs: Optional[list] = None  # with workload.logprobs: each output token's raw target log-probability
     speculate: bool = True  # a prompt's "speculate": false decodes it plainly (one token per step)
     max_spec_tokens: Optional[int] = None  # a prompt's own cap on the draft tokens it verifies per step
+    # a prompt's response_format / regex / grammar (workload.constraints.Constraint); None: free
+    constraint: Optional[Any] = None
+    grammar_forced_tokens: int = 0  # tokens its grammar forced, drafted as chains at no model cost (jump-forward)
+    grammar_pruned_tokens: int = 0  # draft tokens its grammar forbade, pruned before verify
+    unconstrained_accepted_tokens: int = 0  # drafts the target's unmasked greedy choice would have accepted
     num_draft_tokens: int = 0  # draft tokens verified for it (vLLM's name)
     num_accepted_tokens: int = 0  # of which accepted
     accept_histogram: list = field(default_factory=list)  # [i]: its rounds that accepted i drafts

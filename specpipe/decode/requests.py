@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from specpipe.allocators.base import PoolDemand
-from specpipe.config.schema import GREEDY_TEMPERATURE, SAMPLING_RULES
+from specpipe.config.schema import GREEDY_TEMPERATURE, SAMPLING_RULES, draft_schema
 from specpipe.config.validate import one_request_slots
 from specpipe.decode.request import Request
 from specpipe.decode.sampling import request_seed
@@ -27,7 +27,8 @@ def make_requests(items: list[dict], tokenizer, max_new_tokens: int, max_positio
     reqs = []
     for i, it in enumerate(items):
         r = Request(i, it.get("prompt", ""), [], it.get("max_new_tokens", max_new_tokens),
-                    speculate=it.get("speculate", True), max_spec_tokens=it.get("max_spec_tokens"))
+                    speculate=it.get("speculate", True), max_spec_tokens=it.get("max_spec_tokens"),
+                    constraint=it.get("constraint"))
         own = it.get("sampling")
         if own:
             r.sampling = tuple(own.get(k, v) for k, v in zip(SAMPLING_RULES, sampling))
@@ -136,9 +137,19 @@ def pool_demand(cfg, reqs: list[Request], pair) -> PoolDemand:
     live = [len(r.prompt_ids) for r in reqs if not r.finished] or [1]
     c = pair.target.config
     sparse = getattr(c, "sparse_top_k", None)
-    return PoolDemand(rows=running_batch(cfg, reqs), row_slots=-(-max(live) // ps) * ps + one_request_slots(cfg),
+    row = one_request_slots(cfg)
+    if forced_chains(cfg, reqs):  # draft=none verifies the grammar's forced chains: a tree of their length
+        row += -(-(cfg.grammar.max_forced_tokens + 1) // ps) * ps
+    return PoolDemand(rows=running_batch(cfg, reqs), row_slots=-(-max(live) // ps) * ps + row,
                       context=c.max_position_embeddings,
                       hot_buffer_slots=buffer_slots((sparse or 0) + getattr(c, "sparse_local", 0), ps))
+
+
+def forced_chains(cfg, reqs: list[Request]) -> bool:
+    """draft=none verifies forced chains through the speculative loop (a constrained request, grammar.jump_forward)."""
+    g = cfg.get("grammar")
+    return (g is not None and bool(g.jump_forward) and not draft_schema(cfg.draft).speculates
+            and any(r.constraint is not None and not r.finished for r in reqs))
 
 
 def seed_requests(cfg, reqs: list[Request], items: list[dict]) -> None:

@@ -15,8 +15,10 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from specpipe.decode.pipeline import Pipeline
+from specpipe.grammar.tree import apply
 from specpipe.stages.tree_layout import tree_from_parents
 from specpipe.speculation.static import StaticPolicy
+from specpipe.speculation.trim import HostTree
 from specpipe.stages.draft_scratch import scratch_tokens_per_request
 from specpipe.stages.padding import bucket
 from specpipe.stages.prepare_decode import OutOfKVMemory
@@ -35,6 +37,7 @@ class SpecPipeline(Pipeline):
         self.proposer = proposer
         proposer.report_conf = self.policy.compact  # the trimming policies rank nodes by it
         self.fused_verify = False  # rounds verify through one `verify.round` call (run.plan_rounds decides)
+        self.node_allowed = None  # [B, N, V] bool: each tree node's grammar mask this step (None: no constraint)
         # the draft flags verify.round reads for drafters that raise none (n-gram, suffix): sliced, never allocated
         # per round
         self.no_draft_flags = torch.zeros(max_requests, dtype=torch.bool, device=self.dev)
@@ -83,6 +86,34 @@ class SpecPipeline(Pipeline):
         tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
         return pol.shape(tree, draft_probs, self.proposer.node_conf, limits, L_t)
 
+    def constrain(self, tree, draft_probs, conf, L, L_t):
+        """The tree as the constrained requests' grammars allow it (`grammar.tree`): forced chains first, drafts the
+        grammar forbids pruned, each node's mask kept for the verify (`node_allowed`)."""
+        g = self.grammar
+        ms = g.of(self.reqs) if g is not None else []
+        if not any(m is not None for m in ms):
+            self.node_allowed = None
+            return tree, draft_probs, conf
+        limits = self.policy.limits(self.reqs, L)
+        outs, Nv, changed = g.layout(ms, tree, limits, L_t, lambda need: self.verify_width(need, tree))
+        for r, o in zip(self.reqs, outs):
+            if o is not None:
+                r.grammar_forced_tokens += o.forced
+                r.grammar_pruned_tokens += o.pruned
+        if changed:
+            tree, draft_probs, conf = g.relayout(tree, outs, Nv, L_t, draft_probs, conf)
+            self.policy.verified = HostTree.of(tree) if self.policy.compact else None
+        self.node_allowed = g.node_masks(len(self.reqs), tree.tokens.shape[1])
+        return tree, draft_probs, conf
+
+    def verify_width(self, need: int, tree) -> int:
+        """The width a constrained tree of `need` nodes is laid out at: the policy's (a static policy keeps the
+        tree's width, a compiled verify pads to its bucket)."""
+        pol = self.policy
+        if not pol.compact:
+            return max(need, tree.tokens.shape[1])
+        return next((b for b in pol.buckets if b >= need), need) if pol.buckets is not None else need
+
     def verify_round_problem(self) -> str:
         """Why greedy rounds cannot verify through one `verify.round` call in this run ('' when they can)."""
         if not self.sampling.greedy:
@@ -96,7 +127,7 @@ class SpecPipeline(Pipeline):
     def accept(self, logits, tree, draft_probs, L_t):
         """Greedy acceptance, or lossless sampling (rejection sampling for sampled chains, else target-only);
         with a repetition penalty, each node's logits are penalized for its own context (prompt, output, path)."""
-        logits = self.sampling.penalize_tree(logits, tree.tokens, tree.mask)
+        logits = apply(self.sampling.penalize_tree(logits, tree.tokens, tree.mask), self.node_allowed)
         if self.sampling.greedy:
             return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)
         s = self.sampling
@@ -104,6 +135,13 @@ class SpecPipeline(Pipeline):
         if draft_probs is not None:
             return self.verify_sampling.sample_rejection(probs, draft_probs, tree.tokens, tree.parent, s.seed, L_t)
         return self.verify_sampling.sample(probs, tree.tokens, tree.parent, s.seed, L_t)
+
+    def unconstrained_count(self, logits, tree):
+        """[B] drafts the target's unmasked greedy choice would have accepted on this tree (None: no constraint in
+        play, or sampling): acceptance without the constraint, for the telemetry."""
+        if self.node_allowed is None or not self.sampling.greedy:
+            return None
+        return self.verify.greedy(logits.argmax(-1), tree.tokens, tree.parent, tree.mask)[1]
 
     def round_stats(self, tree, accept_index, logits, in_place):
         """`stages.verify.round_stats` with the proposer's non-finite draft flags."""
@@ -125,10 +163,13 @@ class SpecPipeline(Pipeline):
         t_draft = time.perf_counter()
         with m.stage("draft"):
             tree, draft_probs, conf = self.draft(rows_t, L, L_t)
+        if self.grammar is not None:
+            with m.stage("grammar"):
+                tree, draft_probs, conf = self.constrain(tree, draft_probs, conf, L, L_t)
         self.policy.verify_begins()
         draft_s = self.policy.t_verify - t_draft
         N = tree.tokens.shape[1]  # the verify width this step
-        fused = self.fused_verify
+        fused = self.fused_verify and self.node_allowed is None  # (grammar masks apply between forward and accept)
         with m.stage("prepare_decode"):
             if not self.prep.reserve(self.rows, np.full(B, N, dtype=np.int64)):
                 raise OutOfKVMemory("KV pool exhausted before verify")
@@ -139,13 +180,14 @@ class SpecPipeline(Pipeline):
                 vhidden, accept_index, count, commit, src, tgt, ints, *next_start = self.verify.round(
                     tree.tokens, tree.positions, tree.mask, tree.parent, tree.depth, vslots, kv_slots, L_t, bad,
                     self.prep.table[rows_t] if self.verify.draft is not None else vslots)
-                raw = None
+                raw = free = None
             else:
                 vbatch = self.prep.decorate(tree_batch(tree.positions, tree.mask, tree.depth, vslots, kv_slots, L_t))
                 logits, vhidden = self.verify.target_forward(tree.tokens, vbatch)
                 raw = self.raw_logits(logits)
                 accept_index, count, commit = self.accept(logits, tree, draft_probs, L_t)
                 self.sampling.note(commit, count)
+                free = self.unconstrained_count(logits, tree)
         with m.stage("commit"):
             d = torch.arange(S + 1, device=self.dev)
             if not fused:
@@ -154,6 +196,9 @@ class SpecPipeline(Pipeline):
             host, lps = self.read_back(ints,  # the one host sync of the step
                                        self.token_logprobs(raw, commit, accept_index.clamp(min=0)))
             kept = self.commit_host(host, lps)
+            if not fused and free is not None:
+                for r, n in zip(self.reqs, free.tolist()):
+                    r.unconstrained_accepted_tokens += n
             kept_t = torch.from_numpy(kept).to(self.dev)
             if not all(h[-2] for h in host):  # (kept <= count + 1: a request stopped early keeps fewer)
                 # entries that need no move copy a slot onto itself, so the copy has a fixed size (no
@@ -202,7 +247,7 @@ class SpecPipeline(Pipeline):
             who = "target" if h[-1] == 0 else "draft"
             self.fail(req, f"the {who}'s logits contained NaN or inf; this request was stopped")
             return 0
-        return self.append_tokens(req, h[1: h[0] + 2], logprobs)
+        return self.append_checked(req, h[1: h[0] + 2], logprobs)
 
 
 def count_request(r, accepted: int, drafted: int) -> None:

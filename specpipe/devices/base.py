@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -140,6 +141,25 @@ def set_threads(num_threads: Optional[int]) -> None:
         torch.set_num_threads(_THREADS_BEFORE[0])
 
 
+class HostClock:
+    """Model time on the host's clock, the device synchronized around each timed call (free on CPU, whose ops
+    finish before they return). `Device.model_clock()` gives a device's clock (CUDA's reads events instead)."""
+
+    def __init__(self, synchronize):
+        self.synchronize = synchronize
+
+    def begin(self) -> float:
+        self.synchronize()
+        return time.perf_counter()
+
+    def end(self, start: float, key: str, totals: dict) -> None:
+        self.synchronize()
+        totals[key] += time.perf_counter() - start
+
+    def settle(self, totals: dict) -> None:
+        pass  # added as measured
+
+
 class Device:
     """One accelerator kind: data (name, dtype, dist backend, capabilities, allocator kernels) plus
     synchronize, memory_stats and compile. Subclasses set the data and override what differs."""
@@ -173,7 +193,16 @@ class Device:
         getattr(torch, self.name).synchronize()
 
     def memory_stats(self) -> dict:
+        """Memory figures for metrics.json's `device_memory` (bytes)."""
         return {}
+
+    def reset_peak_memory(self) -> None:
+        """A run begins: its peak figures start from here (sweep jobs share a process)."""
+
+    def model_clock(self) -> Any:
+        """What times the model forwards (`decode.metrics.Metrics.attach_model_timer`): a host clock with the
+        device synchronized around each forward; CUDA times them with events instead."""
+        return HostClock(self.synchronize)
 
     def lay_out_weights(self, models, rows) -> dict:
         """Store each Linear weight in the layout its GEMM runs fastest with (devices/weight_layout.py);

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -63,7 +63,8 @@ class NpuDevice(Device):
     default_dtype = "bfloat16"
 
     def __init__(self, dtype: Optional[str] = None, index: int = 0, num_threads: Optional[int] = None,
-                 weight_layout: str = "auto"):
+                 weight_layout: str = "auto", graph_batch_sizes: Sequence[int] = (),
+                 graph_context_buckets: Sequence[int] = ()):
         import_torch_npu()
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
@@ -74,6 +75,8 @@ class NpuDevice(Device):
             raise DeviceUnavailableError(f"device=npu cannot be used: device.index={index} but {count} NPU(s) are "
                                          f"visible (valid: 0..{count - 1})")
         super().__init__(dtype, index, num_threads, weight_layout)
+        self.graph_batch_sizes, self.graph_context_buckets = tuple(graph_batch_sizes), tuple(graph_context_buckets)
+        npu.set_device(self.torch_device)  # device.index's NPU for streams, graphs and tensors made with "npu"
         self.torchair = import_torchair()
         self.notices: list[str] = []  # translations made, each logged once
 
@@ -116,7 +119,8 @@ class NpuDevice(Device):
         if self.torchair is not None:  # ACL graphs take static shapes: one capture per shape
             return torch.compile(fn, backend=self.torchair_backend("reduce-overhead"), dynamic=False)
         if hasattr(torch.npu, "NPUGraph") and hasattr(torch.npu, "graph"):  # type: ignore[attr-defined]
-            return GraphBranch(fn, torch.npu, "NPUGraph")  # type: ignore[attr-defined]
+            return GraphBranch(fn, torch.npu, "NPUGraph", batch_sizes=self.graph_batch_sizes,  # type: ignore
+                               context_buckets=self.graph_context_buckets)
         raise ConfigError("device=npu cannot run 'graph': neither torchair nor torch_npu's NPUGraph is available; "
                           "pip install torchair, upgrade torch-npu, or use compile/eager")
 

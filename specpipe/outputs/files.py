@@ -21,13 +21,25 @@ def completion_record(r: Request, tokenizer) -> dict:
     """A request's line in completions.jsonl (and the partial file): its prompt, output ids and text, why it ended."""
     rec = {"index": r.index, "prompt": r.prompt, "output_ids": r.output_ids,
            "text": output_text(tokenizer, r.prompt_ids, r.output_ids), "finish_reason": r.finish_reason}
-    if r.accept_histogram:  # it went through speculative rounds (vLLM's names; [i]: rounds that accepted i drafts)
-        rec.update(num_draft_tokens=r.num_draft_tokens, num_accepted_tokens=r.num_accepted_tokens,
-                   acceptance_histogram=r.accept_histogram)
+    rec.update(request_stats(r))
     if r.logprobs is not None:
         rec["logprobs"] = r.logprobs
     if r.error:
         rec["error"] = r.error
+    return rec
+
+
+def request_stats(r: Request) -> dict:
+    """A request's own telemetry (completions.jsonl, the API's Completion.stats): what drafting did for it."""
+    rec: dict = {}
+    if r.accept_histogram:  # it went through speculative rounds (vLLM's names; [i]: rounds that accepted i drafts)
+        rec.update(num_draft_tokens=r.num_draft_tokens, num_accepted_tokens=r.num_accepted_tokens,
+                   acceptance_histogram=r.accept_histogram)
+    if r.constraint is not None:  # what its grammar did to drafting (docs/structured.md)
+        rec["constraint"] = r.constraint.describe()
+        rec.update(grammar_forced_tokens=r.grammar_forced_tokens, grammar_pruned_tokens=r.grammar_pruned_tokens)
+        if r.accept_histogram:
+            rec["unconstrained_accepted_tokens"] = r.unconstrained_accepted_tokens
     return rec
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from specpipe.workload.chat_template import CHAT_FIELDS, check_chat_options, check_messages
+from specpipe.workload.constraints import FIELDS as CONSTRAINT_FIELDS, constraint_fields
 from specpipe.workload.lines import prompt_lines
 from specpipe.workload.prompt_values import nesting_problem
 from specpipe.config.stop_strings import check_stop
@@ -94,6 +95,11 @@ UNSUPPORTED_FIELDS = {  # field -> (its neutral values, or a test of the prompt'
     "ignore_eos": ((False, None), "it is run-wide here: workload.ignore_eos=true"),
     "add_generation_prompt": ((True, None), "the chat template always gets add_generation_prompt=true"),
     "continue_final_message": ((False, None), "the chat template always gets add_generation_prompt=true"),
+    # vLLM's constraint fields: ours are OpenAI's "response_format", and "regex" / "grammar" (docs/structured.md)
+    "guided_json": ((None,), 'use "response_format": {"type": "json_schema", "json_schema": {"schema": ...}}'),
+    "guided_regex": ((None,), 'use "regex"'),
+    "guided_grammar": ((None,), 'use "grammar" (a Lark grammar)'),
+    "guided_choice": ((None,), 'use "regex" with the choices joined by "|"'),
 }
 
 
@@ -117,7 +123,7 @@ def unsupported_field(obj: dict, deferred=()) -> Optional[str]:
 LIMIT_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # ours, OpenAI's older and newer names
 SPECULATION_FIELDS = ("speculate", "max_spec_tokens")  # this request's own speculation limits
 KNOWN_FIELDS = ("prompt", "prompt_ids", "messages", "seed", *LIMIT_FIELDS, "stop", "stop_token_ids",
-                *SPECULATION_FIELDS, *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
+                *SPECULATION_FIELDS, *CONSTRAINT_FIELDS, *SAMPLING_RULES, *CHAT_FIELDS, *UNSUPPORTED_FIELDS)
 
 
 def _spelt(key: str) -> str:
@@ -223,7 +229,8 @@ def speculation_fields(d: dict, extra: dict) -> Optional[str]:
 def _parse_prompt_line(obj, where) -> dict:
     """One request's item from a JSON value: "prompt", "prompt_ids" or "messages", plus optional "seed",
     "max_new_tokens" (or "max_tokens", "max_completion_tokens"), "stop", "temperature", "top_p", "top_k",
-    "repetition_penalty", "min_p", "speculate", "max_spec_tokens"; or its error.
+    "repetition_penalty", "min_p", "speculate", "max_spec_tokens", one of "response_format" / "regex" / "grammar"
+    (`workload.constraints`); or its error.
 
     `where` names it in errors: a line number of a prompts file, or a string (the API's "prompt 3"); a good
     item keeps that name as "where", for the errors found once it is tokenized."""
@@ -283,7 +290,7 @@ def _parse_prompt_line(obj, where) -> dict:
                 given = [k for k in LIMIT_FIELDS if d.get(k) is not None]
                 return {"error": f'{n}: "{given[0]}" and "{key}" disagree; give one', "prompt": ""}
             extra["max_new_tokens"] = int(m)
-    why = speculation_fields(d, extra)
+    why = speculation_fields(d, extra) or constraint_fields(d, extra)
     if why:
         return {"error": f"{n}: {why}", "prompt": ""}
     if d.get("stop_token_ids") is not None:  # vLLM's: ids that end the request as EOS does, besides the model's

@@ -20,8 +20,8 @@ SETTINGS = settings(max_examples=20, stateful_step_count=30, deadline=None,
 PAGE_SIZES = (1, 2, 16, 64)
 
 
-def t(xs) -> torch.Tensor:
-    return torch.tensor(list(xs), dtype=torch.int64)
+def t(xs, device="cpu") -> torch.Tensor:
+    return torch.tensor(list(xs), dtype=torch.int64, device=device)
 
 
 @dataclass
@@ -36,10 +36,14 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     page_size = 1
     num_pages = 12
+    device = "cpu"               # the allocator's (and so its kernels' inputs')
     group_defers = True          # free groups defer frees (HiSparse frees at once)
 
     def make(self):
         raise NotImplementedError
+
+    def t(self, xs) -> torch.Tensor:
+        return t(xs, self.device)
 
     def __init__(self):
         super().__init__()
@@ -102,7 +106,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         n = count_new_pages(pre, seq, self.page_size) if data.draw(st.booleans()) else None
         tokens = sum(exts) if data.draw(st.booleans()) else None
         before = self._lists()
-        out = self.a.alloc_extend(t(pre), t(seq), t(last), num_new_pages=n, extend_num_tokens=tokens)
+        out = self.a.alloc_extend(self.t(pre), self.t(seq), self.t(last), num_new_pages=n, extend_num_tokens=tokens)
         got = self._compare(out, self.ref.alloc_extend(pre, seq, last), before)
         if got is not None:
             self._record(reqs, exts, got)
@@ -116,7 +120,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if "num_new_pages" in self.a.capabilities and data.draw(st.booleans()):
             kw["num_new_pages"] = count_new_pages([s - 1 for s in seq], seq, self.page_size)
         before = self._lists()
-        out = self.a.alloc_decode(t(seq), t(last), **kw)
+        out = self.a.alloc_decode(self.t(seq), self.t(last), **kw)
         got = self._compare(out, self.ref.alloc_decode(seq, last), before)
         if got is not None:
             self.after_decode(reqs)
@@ -137,9 +141,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not slots:
             return
         if by_page_start:  # whole pages named by their first slots: the same free list as freeing every slot
-            self.a.free_page_starts(t(slots[::self.page_size]), **how)
+            self.a.free_page_starts(self.t(slots[::self.page_size]), **how)
         else:
-            self.a.free(t(slots))
+            self.a.free(self.t(slots))
         self.ref.free(slots)
         if self.grouped and self.group_defers:
             self.pending += slots
@@ -195,7 +199,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         pre = [len(r.slots) for r in reqs]
         last = [r.slots[-1] if r.slots else -1 for r in reqs]
         seq = [p + steps for p in pre]
-        out = self.a.alloc_extend(t(pre), t(seq), t(last), count_new_pages(pre, seq, self.page_size))
+        out = self.a.alloc_extend(self.t(pre), self.t(seq), self.t(last), count_new_pages(pre, seq, self.page_size))
         self._compare(out, self.ref.alloc_extend(pre, seq, last))
         self.a.restore_state(state)
         self.ref.restore_state(ref_state)

@@ -1,4 +1,7 @@
-"""Kernels vs the pure-Python reference: torch-native always, Triton (interpreted on CPU) if present."""
+"""Kernels vs the pure-Python reference: torch-native always, Triton (interpreted on CPU) if present.
+
+Inputs live on conftest's DEVICE: CUDA tensors where a GPU is visible (compiled Triton), else CPU
+(interpreted Triton)."""
 import random
 import subprocess
 import sys
@@ -11,12 +14,17 @@ from hypothesis import strategies as st
 from specpipe.allocators import PagedAllocator, kernels_torch
 from specpipe.allocators.reference import count_new_pages, ref_alloc_decode, ref_alloc_extend
 
-from .conftest import HAS_TRITON, ROOT
-from .machine import PAGE_SIZES, t
+from .conftest import DEVICE, HAS_TRITON, ROOT
+from .machine import PAGE_SIZES
+from .machine import t as host_t
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 KERNELS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=needs_triton)]
 LIVE = 100_000  # page ids of the requests' existing partial pages; free pages lie below
+
+
+def t(xs):
+    return host_t(xs, DEVICE)
 
 
 def kernels(name):
@@ -44,7 +52,7 @@ def make_batch(rng: random.Random, bs: int, ps: int, long: int = 0):
 def check_extend(name, pre, seq, last, free, n, ps, dtype=torch.int64):
     exp, used = ref_alloc_extend(pre, seq, last, free, ps)
     assert used == n
-    lens = [torch.tensor(x, dtype=dtype) for x in (pre, seq)]
+    lens = [torch.tensor(x, dtype=dtype, device=DEVICE) for x in (pre, seq)]
     out = kernels(name).alloc_extend(*lens, t(last), t(free), ps, n, len(exp))
     assert out.dtype == torch.int64 and out.tolist() == exp
     pos = [p for a, b in zip(pre, seq) for p in range(a, b)]
@@ -102,7 +110,7 @@ def test_decode_free_list_exactly_exhausted_with_trailing_non_openers(name):
 @pytest.mark.parametrize("ps", [1, 16])
 def test_allocator_parity_triton_vs_torch(ps):
     """The same walk of extends, decodes and frees through both kernel choices."""
-    a, b = PagedAllocator(64 * ps, ps, kernels="torch"), PagedAllocator(64 * ps, ps, kernels="triton")
+    a, b = (PagedAllocator(64 * ps, ps, device=DEVICE, kernels=k) for k in ("torch", "triton"))
     rng, rows = random.Random(ps), [[] for _ in range(5)]
     for step in range(6):
         pre = [len(r) for r in rows]
@@ -122,6 +130,25 @@ def test_allocator_parity_triton_vs_torch(ps):
                 x.free(t(rows[0]))
             rows[0] = []
     assert a.free_pages.tolist() == b.free_pages.tolist()
+
+
+@needs_triton
+def test_one_triton_compilation_serves_every_batch_size(monkeypatch):
+    """Only the page size (and block sizes) are compile-time constants: a new batch size mid-run must not compile a
+    new kernel (a constexpr batch bound did, once per power of two). Checked on what each launch passes."""
+    from specpipe.allocators import kernels_triton
+
+    seen = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: seen.append((tuple(a.dtype for a in args), constexprs))
+
+    monkeypatch.setattr(kernels_triton, "_kernels", lambda: (Launch(), Launch()))
+    for bs in (1, 2, 3, 5, 9, 17, 33, 130, 333):
+        kernels_triton.alloc_extend(t([0] * bs), t([3] * bs), t([-1] * bs), t(range(1, 40 * bs)), 4, bs, 3 * bs)
+        kernels_triton.alloc_decode(t([5] * bs), t([7] * bs), t(range(1, 40)), 4, 0)
+    assert len(set(map(repr, seen))) == 2  # one signature per kernel
 
 
 def test_package_import_does_not_import_triton():

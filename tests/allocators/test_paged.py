@@ -7,17 +7,19 @@ from hypothesis import strategies as st
 from specpipe.allocators import HiSparseAllocator, PagedAllocator, SWAAllocator, num_new_pages
 from specpipe.allocators.reference import RefAllocator
 
+from .conftest import DEVICE, HAS_TRITON
 from .machine import PAGE_SIZES, SETTINGS, AllocatorMachine, t
 
 
-def _walk(ps):
+def _walk(ps, kernels="torch", device="cpu"):
     class PagedMachine(AllocatorMachine):
         page_size = ps
 
         def make(self):
             n = self.num_pages * ps
-            return PagedAllocator(n, ps, debug=True), RefAllocator(n, ps)
+            return PagedAllocator(n, ps, device=device, debug=True, kernels=kernels), RefAllocator(n, ps)
 
+    PagedMachine.device = device
     case = PagedMachine.TestCase
     case.settings = SETTINGS
     return case
@@ -25,6 +27,9 @@ def _walk(ps):
 
 for _ps in PAGE_SIZES:
     globals()[f"TestPagedWalkPs{_ps}"] = _walk(_ps)
+# the same walk through the Triton kernels, on CUDA tensors where a GPU is visible (interpreted on CPU)
+TestPagedWalkTritonPs16 = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")(
+    _walk(16, "triton", DEVICE))
 
 
 def test_extend_layout_fills_partial_page_then_new_pages():

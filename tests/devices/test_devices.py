@@ -107,6 +107,7 @@ def stub_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
     return CudaDevice, calls
@@ -128,6 +129,128 @@ def test_cuda_translates_policies(stub_cuda):
     assert list(auto.candidates) == ["eager", "compile", "graph"]
     with pytest.raises(DeviceUnavailableError, match="device.index=3 but 1 CUDA GPU"):
         CudaDevice(index=3)
+
+
+def test_cuda_selects_the_configured_gpu_and_graphs_over_the_configured_sizes(stub_cuda, monkeypatch):
+    """device.index reaches torch's current device (Triton launches, capture streams and events use it): without
+    it, cuda:1 ran kernels and captured graphs on GPU 0's streams with GPU 1's tensors."""
+    CudaDevice, _ = stub_cuda
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    d = CudaDevice(index=1, graph_batch_sizes=[1, 2, 4], graph_context_buckets=[256])
+    assert d.torch_device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
+    g = d.graph_fn(double)
+    assert (g.batch_sizes, g.context_buckets) == ([1, 2, 4], [256])
+
+
+def test_graph_capture_runs_on_the_inputs_device():
+    """The capture's side stream and graph are made under the inputs' device (api.device), not the current one."""
+    import contextlib
+
+    from test_graph_capture import StubGraphApi
+
+    entered = []
+
+    class Api(StubGraphApi):
+        @staticmethod
+        @contextlib.contextmanager
+        def device(d):
+            entered.append(d)
+            yield
+
+    g = GraphBranch(double, Api, "CUDAGraph")
+    assert g(torch.empty(3, 2, device="meta")).shape == (3, 2)
+    assert entered == [torch.device("meta")]
+
+
+class StubEvent:
+    """STUB of torch.cuda.Event: `clock` is the GPU's; elapsed_time in ms as CUDA gives it."""
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.t = None
+
+    def record(self):
+        StubEvent.clock[0] += 1.0
+        self.t = StubEvent.clock[0]
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return 1000.0 * (end.t - self.t)
+
+
+def test_cuda_model_time_comes_from_events_without_a_sync_per_forward(stub_cuda, monkeypatch):
+    """model_timing synchronized the GPU around every forward, so tokens/s on CUDA measured a serialized loop;
+    the CUDA clock records events and reads them once, when the summary is made."""
+    from specpipe.decode.metrics import Metrics
+    from specpipe.devices.base import HostClock
+    from specpipe.devices.cuda import EventClock
+
+    CudaDevice, _ = stub_cuda
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    monkeypatch.setattr(torch.cuda, "Event", StubEvent)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    clock = CudaDevice().model_clock()
+    assert isinstance(clock, EventClock) and isinstance(CpuDevice().model_clock(), HostClock)
+    lin = torch.nn.Linear(2, 2)
+    m = Metrics(1)
+    m.attach_model_timer([lin], clock)
+    try:
+        with m.stage("verify"):
+            for _ in range(5):
+                lin(torch.randn(1, 2))
+    finally:
+        m.detach()
+    assert not syncs and len(clock.pending) == 5
+    summary = m.summary(1.0, 0)
+    assert summary["stage_model_ms"]["verify"] == pytest.approx(5 * 1.0 * 1000)  # 1 s per forward, as recorded
+    assert not clock.pending
+
+
+def test_no_event_is_recorded_inside_a_graph_capture(monkeypatch):
+    from specpipe.devices.cuda import EventClock
+
+    monkeypatch.setattr(torch.cuda, "Event", StubEvent)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    clock, totals = EventClock(), {}
+    clock.end(clock.begin(), "verify", totals)
+    assert not clock.pending and not totals
+
+
+def test_gpu_memory_goes_into_metrics_json(stub_cuda, monkeypatch):
+    """metrics.json's device_memory: what the device reports at the run's end, its peak reset at the run's start."""
+    CudaDevice, _ = stub_cuda
+    reset = []
+    for name, value in (("memory_allocated", 5), ("max_memory_allocated", 9), ("memory_reserved", 16),
+                        ("max_memory_reserved", 20)):
+        monkeypatch.setattr(torch.cuda, name, lambda d=None, v=value: v)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=80))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset.append)
+    d = CudaDevice()
+    d.reset_peak_memory()
+    assert reset == [torch.device("cuda", 0)]
+    assert d.memory_stats() == {"allocated_bytes": 5, "peak_allocated_bytes": 9, "reserved_bytes": 16,
+                                "peak_reserved_bytes": 20, "total_bytes": 80}
+
+
+def test_a_run_writes_its_device_memory(tmp_path):
+    import json
+
+    from helpers import compose
+
+    from specpipe.run import run
+
+    run(compose("model=random_tiny", "draft=none", "workload.max_new_tokens=2", "workload.num_prompts=1"),
+        out_dir=str(tmp_path), quiet=True)
+    assert json.loads((tmp_path / "metrics.json").read_text())["device_memory"]["peak_rss_bytes"] > 0
 
 
 # ---- npu (stubbed) ---------------------------------------------------------------------------
@@ -188,7 +311,8 @@ def stub_npu(monkeypatch):
     """STUB torch_npu + torch.npu (one visible NPU, device objects on the CPU) and a recording torch.compile."""
     from specpipe.devices.npu import NpuDevice
 
-    npu = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1, synchronize=lambda: None)
+    npu = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 1, synchronize=lambda: None,
+                                set_device=lambda d: None)
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
     monkeypatch.setattr(torch, "npu", npu, raising=False)
     monkeypatch.setattr(NpuDevice, "make_torch_device", lambda self, index: torch.device("cpu"))
