@@ -13,6 +13,18 @@ def compose(*overrides: str):
     return compose_config(list(overrides))
 
 
+def letter_model_run(pair, path, t_new: int, temperature: float, top_p: float, *overrides: str) -> dict:
+    """`run` of the prompts file `path` on the 6-letter float64 random_tiny model `pair` (the sampling law tests),
+    t_new tokens per request, 512 at once."""
+    from specpipe.run import run
+
+    cfg = compose("model=random_tiny", "model.vocab_size=6", "model.init_std=1.0", "model.seed=0",
+                  "device.dtype=float64", f"workload.prompts_file={path}",
+                  f"workload.max_new_tokens={t_new}", "workload.batch_size=512", "allocator.num_slots=20000",
+                  f"sampling.temperature={temperature}", f"sampling.top_p={top_p}", *overrides)
+    return run(cfg, quiet=True, pair=pair)
+
+
 def random_prompts(seed: int, lengths) -> list[str]:
     """Code-like random prompts of the given lengths (characters), reproducible from the seed."""
     import random

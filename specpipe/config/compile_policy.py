@@ -6,7 +6,7 @@ A policy is one short string per branch, set under `compile.<stage>.<branch>`:
     compile                        torch.compile with the device's compiler
     compile(dynamic=false, fullgraph=true, mode=max-autotune-no-cudagraphs)
     compile(cpp_wrapper=true)      inductor's C++ wrapper around the kernels (less host time per call)
-    graph                          capture once per input shape, then replay (CUDA/NPU graphs)
+    graph                          capture at device.graph_batch_sizes, pad up, replay (CUDA/NPU graphs)
     auto                           time eager, compile (and graph) on the run's real inputs, keep the fastest
     auto(dynamic=false)            ... with these options for its compiled candidate
 

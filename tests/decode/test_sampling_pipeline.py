@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import specpipe.models.random_tiny as rt
-from helpers import chi2_pvalue, compose
-from specpipe.run import run
+from helpers import chi2_pvalue, letter_model_run
 from specpipe.stages.verify_sampling import VerifySampling, process_logits
 
 V, T_NEW, ALPHA, PROMPT = 6, 3, 1e-4, "abcabcab"
@@ -49,11 +48,7 @@ def exact(pair):
 def sample(pair, tmp_path, n, *overrides):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(f'{{"prompt": "{PROMPT}", "seed": {i}}}\n' for i in range(n)))
-    cfg = compose("model=random_tiny", "model.vocab_size=6", "model.init_std=1.0", "model.seed=0",
-                  "device.dtype=float64", f"workload.prompts_file={path}",
-                  f"workload.max_new_tokens={T_NEW}", "workload.batch_size=512", "allocator.num_slots=20000",
-                  f"sampling.temperature={TEMP}", f"sampling.top_p={TOP_P}", *overrides)
-    out = run(cfg, quiet=True, pair=pair)
+    out = letter_model_run(pair, path, T_NEW, TEMP, TOP_P, *overrides)
     counts = torch.zeros(V ** T_NEW, dtype=torch.float64)
     for r in out["requests"]:
         a, b, c = r.output_ids

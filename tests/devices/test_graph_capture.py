@@ -109,21 +109,26 @@ def test_dataclass_arguments_and_non_tensor_values_key_the_capture():
     assert len(g.captures) == 2
 
 
-def test_draft_topk_and_build_tree_graphed_equal_eager():
-    for B, K, S in ((1, 4, 3), (3, 4, 3), (2, 1, 3)):
+def check_draft_stages(shapes, bind_topk, bind_tree) -> None:
+    """draft_topk and build_tree bound by `bind_*` (a compile binding) equal eager for each (B, K, S)."""
+    for B, K, S in shapes:
         eager, cap = DraftTopK(K), DraftTopK(K)
-        cap.bind(lambda stage, branch, fn: graphed(fn))
+        cap.bind(bind_topk)
         want = draft_round(eager, B, K, 16, S, seed=B)
         got = draft_round(cap, B, K, 16, S, seed=B)
         for w, o in zip(tree_flatten(want)[0], tree_flatten(got)[0]):
             assert torch.equal(w, o)
         N = 1 + min(S if K == 1 else K + (S - 1) * K * K, 6)
         bt_eager, bt_cap = BuildTree(K, S, N), BuildTree(K, S, N)
-        bt_cap.bind(lambda stage, branch, fn: graphed(fn))
+        bt_cap.bind(bind_tree)
         args = tree_inputs(want, B)
         for w, o in zip(dataclasses.astuple(bt_eager(*args)), dataclasses.astuple(bt_cap(*args))):
             assert torch.equal(w, o)
 
+
+def test_draft_topk_and_build_tree_graphed_equal_eager():
+    check_draft_stages(((1, 4, 3), (3, 4, 3), (2, 1, 3)), lambda stage, branch, fn: graphed(fn),
+                       lambda stage, branch, fn: graphed(fn))
 
 class CapturingApi(StubGraphApi):
     """StubGraphApi that knows when a capture is open (a real CUDA graph capture refuses synchronize)."""
@@ -241,20 +246,10 @@ def test_dummy_rows_write_the_null_slot_never_a_previous_calls_slots():
 
 def test_graphed_draft_stages_padded_to_listed_sizes_equal_eager():
     """draft_topk (inputs of B and B*K rows) and build_tree padded from B = 3 to 4 and from 5 to 8."""
-    for B, K, S in ((3, 4, 3), (5, 2, 3), (3, 1, 3)):
-        eager, cap = DraftTopK(K), DraftTopK(K)
-        cap.bind(lambda stage, branch, fn: GraphBranch(fn, StubGraphApi, "CUDAGraph", batch_sizes=[1, 2, 4, 8]))
-        want = draft_round(eager, B, K, 16, S, seed=B)
-        got = draft_round(cap, B, K, 16, S, seed=B)
-        for w, o in zip(tree_flatten(want)[0], tree_flatten(got)[0]):
-            assert torch.equal(w, o)
-        N = 1 + min(S if K == 1 else K + (S - 1) * K * K, 6)
-        bt_eager, bt_cap = BuildTree(K, S, N), BuildTree(K, S, N)
-        bt_cap.bind(lambda stage, branch, fn: GraphBranch(fn, StubGraphApi, "CUDAGraph", batch_sizes=[2, 4, 8]))
-        args = tree_inputs(want, B)
-        for w, o in zip(dataclasses.astuple(bt_eager(*args)), dataclasses.astuple(bt_cap(*args))):
-            assert torch.equal(w, o)
-
+    check_draft_stages(
+        ((3, 4, 3), (5, 2, 3), (3, 1, 3)),
+        lambda stage, branch, fn: GraphBranch(fn, StubGraphApi, "CUDAGraph", batch_sizes=[1, 2, 4, 8]),
+        lambda stage, branch, fn: GraphBranch(fn, StubGraphApi, "CUDAGraph", batch_sizes=[2, 4, 8]))
 
 def verify_inputs(B, Q, seed):
     """B requests with contexts of different lengths, Q new tokens each: tokens [B, Q] and their AttentionBatch."""

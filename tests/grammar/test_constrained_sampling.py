@@ -17,9 +17,8 @@ import pytest
 import torch
 
 import specpipe.models.random_tiny as rt
-from helpers import chi2_pvalue, compose
+from helpers import chi2_pvalue, letter_model_run
 from specpipe.grammar.tree import TreeGrammar
-from specpipe.run import run
 from specpipe.stages.verify_sampling import process_logits
 
 pytest.importorskip("llguidance")
@@ -77,11 +76,7 @@ def sample(pair, tmp_path, n, *overrides, regex=REGEX):
     """Counts [V**3] of the committed 3-token outputs of n seeded constrained requests, and the run's metrics."""
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": PROMPT, "seed": i, "regex": regex}) + "\n" for i in range(n)))
-    cfg = compose("model=random_tiny", "model.vocab_size=6", "model.init_std=1.0", "model.seed=0",
-                  "device.dtype=float64", f"workload.prompts_file={path}",
-                  f"workload.max_new_tokens={T_NEW}", "workload.batch_size=512", "allocator.num_slots=20000",
-                  f"sampling.temperature={TEMP}", f"sampling.top_p={TOP_P}", *overrides)
-    out = run(cfg, quiet=True, pair=pair)
+    out = letter_model_run(pair, path, T_NEW, TEMP, TOP_P, *overrides)
     counts = torch.zeros(V ** T_NEW, dtype=torch.float64)
     for r in out["requests"]:
         assert r.finish_reason == "length", (r.finish_reason, r.error)
