@@ -72,11 +72,10 @@ class SpecPipeline(Pipeline):
         return (self.prep.slots(rows_t, L_t, N),
                 self.prep.slots(rows_t, torch.zeros_like(L_t), bucket(L.max() + N)))
 
-    def draft(self, rows_t, L, L_t):
+    def draft(self, rows_t, L, L_t, limits):
         """The round's tree as the speculation policy shapes it, its draft probabilities and node confidences
         (`Proposer.node_conf`, host [B, N] or None): no drafting at all when no request may draft this step."""
         pol = self.policy
-        limits = pol.limits(self.reqs, L)
         if pol.skip_draft(limits):
             pol.skipped_step()
             self.proposer.bad = None
@@ -86,7 +85,7 @@ class SpecPipeline(Pipeline):
         tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
         return pol.shape(tree, draft_probs, self.proposer.node_conf, limits, L_t)
 
-    def constrain(self, tree, draft_probs, conf, L, L_t):
+    def constrain(self, tree, draft_probs, conf, limits, L_t):
         """The tree as the constrained requests' grammars allow it (`grammar.tree`): forced chains first, drafts the
         grammar forbids pruned, each node's mask kept for the verify (`node_allowed`)."""
         g = self.grammar
@@ -94,7 +93,6 @@ class SpecPipeline(Pipeline):
         if not any(m is not None for m in ms):
             self.node_allowed = None
             return tree, draft_probs, conf
-        limits = self.policy.limits(self.reqs, L)
         outs, Nv, changed = g.layout(ms, tree, limits, L_t, lambda need: self.verify_width(need, tree))
         for r, o in zip(self.reqs, outs):
             if o is not None:
@@ -162,10 +160,11 @@ class SpecPipeline(Pipeline):
             self.sampling.limit(int(L.max()) + 1)
         t_draft = time.perf_counter()
         with m.stage("draft"):
-            tree, draft_probs, conf = self.draft(rows_t, L, L_t)
+            limits = self.policy.limits(self.reqs, L)  # [B] draft tokens each request may verify
+            tree, draft_probs, conf = self.draft(rows_t, L, L_t, limits)
         if self.grammar is not None:
             with m.stage("grammar"):
-                tree, draft_probs, conf = self.constrain(tree, draft_probs, conf, L, L_t)
+                tree, draft_probs, conf = self.constrain(tree, draft_probs, conf, limits, L_t)
         self.policy.verify_begins()
         draft_s = self.policy.t_verify - t_draft
         N = tree.tokens.shape[1]  # the verify width this step

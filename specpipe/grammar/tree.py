@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specpipe.stages.tree_layout import tree_from_parents
+from specpipe.stages.tree_layout import host, host_links, tree_from_parents
 
 
 @dataclass
@@ -228,11 +228,7 @@ class TreeGrammar:
         constrained = torch.tensor([o is not None for o in outs], device=self.dev)[:, None, None]  # [B, 1, 1]
         rows = torch.where(constrained, masked, rows)
         # a node whose first child is forced (not drafted): one-hot on that child's token
-        first_child = np.full((B, Nv), -1, dtype=np.int64)
-        for b in range(B):
-            for j in range(Nv - 1, 0, -1):
-                if parent[b, j] >= 0:
-                    first_child[b, parent[b, j]] = j
+        first_child = host_links(parent)[0]  # [B, Nv] (-1: none)
         forced_kid = (first_child >= 0) & (np.take_along_axis(old, np.maximum(first_child, 0), 1) < 0)
         if forced_kid.any():
             kid_tok = np.take_along_axis(tokens, np.maximum(first_child, 0), 1)
@@ -249,10 +245,6 @@ def linked_width(parent: np.ndarray) -> int:
     """Nodes a free request's row needs: up to its last linked node."""
     linked = np.flatnonzero(parent >= 0)
     return int(linked[-1]) + 1 if linked.size else 1
-
-
-def host(t: Tensor) -> np.ndarray:
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 def apply(logits: Tensor, allowed: Optional[Tensor]) -> Tensor:

@@ -16,12 +16,7 @@ import torch
 
 from specpipe.speculation.acceptance import sibling_rank
 from specpipe.stages.build_tree import Tree
-from specpipe.stages.tree_layout import host_links
-
-
-def host(t: torch.Tensor) -> np.ndarray:
-    """A tree tensor as a numpy array (free for host tensors; on an accelerator this reads the device)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+from specpipe.stages.tree_layout import host, host_links
 
 
 @dataclass

@@ -75,3 +75,8 @@ def host_links(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         & (parent[:, :, None] >= 0)
     nsib = np.where(sib, ar, N).min(-1)
     return np.where(first < N, first, -1).astype(np.int64), np.where(nsib < N, nsib, -1).astype(np.int64)
+
+
+def host(t: Tensor) -> np.ndarray:
+    """A tree tensor as a numpy array (free for host tensors; on an accelerator this reads the device)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
