@@ -3,8 +3,10 @@ prompt set and batch size, in one process (the same loaded models, the same prom
 
 Rows per (model, prompts, batch): draft=none, then for each drafter speculation=static (its default tree, and a
 4-token chain for the n-gram drafters), schedule, adaptive and cost. `vs none` is tokens/s over draft=none's in the
-same block; `vs static` is over the best static row of the same drafter. Every output is compared with
-draft=none's (greedy: they must be equal; a difference is printed).
+same block; `vs static` is over the best static row of the same drafter. Each row runs --reps times,
+interleaved with the block's other rows, and keeps its best run (a shared machine's noise only slows a run). Every
+output is compared with draft=none's (greedy: they must be equal; a difference is printed). The last lines list
+the rows where the default policy (or --check POLICY) is under 0.97x draft=none or its drafter's best static row.
 
     python scripts/bench_policy.py                                    # shipped pair and the real model, b 1 4 16
     python scripts/bench_policy.py --models tiny --batch 1 --prompts 4 # a quick look
@@ -50,31 +52,50 @@ def measure(overrides: list[str], pair) -> tuple[dict, list]:
     return out["metrics"], [r.output_ids for r in out["requests"]]
 
 
-def block(model: str, base: list[str], pair, pset: str, batch: int, drafters, policies, default: str) -> list[str]:
+def block(model: str, base: list[str], pair, pset: str, batch: int, drafters, policies, default: str,
+          reps: int) -> list[str]:
+    """One (model, prompts, batch) block: every row `reps` times, interleaved (row 1..n, then again), each row's
+    best run kept: interference on a shared machine only ever slows a run down."""
     common = base + [f"workload.prompt_set={pset}", f"workload.batch_size={batch}"]
-    m0, want = measure(common + ["draft=none"], pair)
-    none = m0["tokens_per_s"]
-    lines = [f"| {model} | {pset} | {batch} | none | {none:.1f} | | 1.00x | |"]
-    print(lines[0], flush=True)
-    for drafter in drafters:
-        best_static, results = 0.0, []
-        for name, ov in rows_for(drafter, policies):
+    rows = [("none", ["draft=none"])] + [r for d in drafters for r in rows_for(d, policies)]
+    tps: dict = {name: [] for name, _ in rows}
+    al, want = {}, None
+    for _ in range(reps):
+        for name, ov in rows:
             m, got = measure(common + ov, pair)
-            if got != want:
+            if want is None:
+                want = got
+            elif got != want:
                 bad = sum(g != w for g, w in zip(got, want))
                 print(f"  MISMATCH: {name}: {bad} of {len(want)} outputs differ from draft=none", flush=True)
-            tps = m["tokens_per_s"]
-            if name.split()[1] == "static":
-                best_static = max(best_static, tps)
-            results.append((name, tps, m["accept_length_mean"]))
-        for name, tps, al in results:
-            vs_static = f"{tps / best_static:.2f}x" if name.split()[1] != "static" else ""
+            tps[name].append(m["tokens_per_s"])
+            al[name] = m["accept_length_mean"]
+    best = {name: max(v) for name, v in tps.items()}
+    none = best["none"]
+    lines = [f"| {model} | {pset} | {batch} | none | {none:.1f} | | 1.00x | |"]
+    for drafter in drafters:
+        names = [name for name, _ in rows_for(drafter, policies)]
+        best_static = max((best[n] for n in names if n.split()[1] == "static"), default=None)
+        for name in names:
+            static = name.split()[1] == "static"
+            vs_static = f"{best[name] / best_static:.2f}x" if best_static and not static else ""
             mark = " (default)" if name.split()[1] == default and len(name.split()) == 2 else ""
-            line = (f"| {model} | {pset} | {batch} | {name}{mark} | {tps:.1f} | "
-                    f"{'' if al is None else f'{al:.2f}'} | {tps / none:.2f}x | {vs_static} |")
-            lines.append(line)
-            print(line, flush=True)
+            lines.append(f"| {model} | {pset} | {batch} | {name}{mark} | {best[name]:.1f} | "
+                         f"{'' if al[name] is None else f'{al[name]:.2f}'} | {best[name] / none:.2f}x | {vs_static} |")
+    print("\n".join(lines), flush=True)
     return lines
+
+
+def missed(lines: list[str], policy: str) -> list[str]:
+    """The rows where `policy` is under 0.97x draft=none or under 0.97x its drafter's best static row."""
+    out = []
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 8 and cells[3].split(" ")[1:2] == [policy]:
+            ratios = [float(c.rstrip("x")) for c in cells[6:8] if c]
+            if min(ratios) < 0.97:
+                out.append(line)
+    return out
 
 
 def main() -> None:
@@ -89,6 +110,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=2, help="runs of each row, interleaved; the best is kept")
+    ap.add_argument("--check", default=None, help="the policy whose targets are checked (default: the default "
+                                                  "policy): rows under 0.97x draft=none or its best static")
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,7 +123,8 @@ def main() -> None:
 
     default = compose_config([]).speculation._target_.rsplit(".", 2)[-2]
     head = [f"# bench_policy {datetime.now():%Y-%m-%d %H:%M}, {platform.processor() or platform.machine()}, "
-            f"{args.threads} thread(s), torch {torch.__version__}, {args.prompts} prompts, {args.max_new} new tokens",
+            f"{args.threads} thread(s), torch {torch.__version__}, {args.prompts} prompts, {args.max_new} new tokens, "
+            f"best of {args.reps} interleaved runs",
             "", "| model | prompts | batch | drafter, policy | tok/s | AL | vs none | vs best static |",
             "|---|---|---:|---|---:|---:|---:|---:|"]
     print("\n".join(head), flush=True)
@@ -117,9 +142,14 @@ def main() -> None:
         pair = load_pair(cfg0, cfg0.device.dtype, CpuDevice(cfg0.device.dtype))
         for pset in args.sets or sets:
             for b in args.batch:
-                lines += block(model, base, pair, pset, b, args.drafters or drafters, args.policies, default)
+                lines += block(model, base, pair, pset, b, args.drafters or drafters, args.policies, default,
+                               args.reps)
+    policy = args.check or default
+    bad = missed(lines, policy)
+    verdict = [f"\n{policy}: {len(bad)} row(s) under 0.97x draft=none or the best static row" + (":" if bad else "")]
+    print("\n".join(verdict + bad), flush=True)
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        Path(args.out).write_text("\n".join(lines + verdict + bad) + "\n")
 
 
 if __name__ == "__main__":

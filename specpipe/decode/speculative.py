@@ -79,7 +79,8 @@ class SpecPipeline(Pipeline):
         if pol.skip_draft(limits):
             pol.skipped_step()
             self.proposer.bad = None
-            root = self.last_token[:, None]  # [B, 1]: a plain step through the verify
+            # a plain step through the verify: the root, and padding nodes where the policy finds a wider step cheaper
+            root = self.last_token[:, None].repeat(1, pol.pad_to(len(self.reqs), 1))  # [B, w]
             return tree_from_parents(root, torch.full_like(root, -1), L_t, self.S), None, None
         self.proposer.node_conf = None
         tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)

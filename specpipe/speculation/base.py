@@ -91,12 +91,16 @@ class Policy:
         if keep.all():
             self.verified = ht
             return tree, draft_probs, conf
-        width = 0
+        width = self.pad_to(len(keep), int(keep.sum(1).max()))
         if self.buckets is not None:
-            need = int(keep.sum(1).max())
-            width = next(b for b in self.buckets if b >= need)
+            width = next(b for b in self.buckets if b >= width)
         tree, self.verified, draft_probs, conf = trim(tree, ht, keep, L_t, self.compact, width, draft_probs, conf)
         return tree, draft_probs, conf
+
+    def pad_to(self, B: int, n: int) -> int:
+        """The width a step that verifies n nodes per request is laid out at (n, or wider where that is cheaper:
+        `cost`)."""
+        return n
 
     def bucketed(self, n: int) -> None:
         """A compiled verify: lay trees out at powers of two up to the full width (log2 N graphs, not N)."""
@@ -112,17 +116,17 @@ class Policy:
         B, width = tree.tokens.shape
         self.widths[width] += 1
         ht = self.verified
-        if ht is not None and width > 1:
+        drafted = (ht.parent >= 0).any(1) if ht is not None and width > 1 else np.zeros(B, dtype=bool)
+        if drafted.any():
             accepted = accepted_nodes(ht.mask, ht.depth, ht.rank, counts, ranks)
             self.acceptance.observe(ht.parent, ht.depth, conf, accepted, ht.rank)
-            drafted = (ht.parent >= 0).any(1)
             bins = np.searchsorted(CONTEXT_BINS, L, side="right") - 1
             np.add.at(self.by_context, (bins[drafted], 0), 1)
             np.add.at(self.by_context, (bins[drafted], 1), counts[drafted])
-        self.learn_cost(B, width, time.perf_counter() - self.t_verify, draft_s)
+        self.learn_cost(B, width, time.perf_counter() - self.t_verify, draft_s, bool(drafted.any()))
 
-    def learn_cost(self, B: int, width: int, verify_s: float, draft_s: float) -> None:
-        pass
+    def learn_cost(self, B: int, width: int, verify_s: float, draft_s: float, drafted: bool) -> None:
+        """What the step cost at this verify width (padding included), and whether it verified any draft."""
 
     def skipped_step(self) -> None:
         self.skipped += 1

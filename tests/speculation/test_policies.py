@@ -8,6 +8,7 @@ from specpipe.run import run
 from helpers import compose
 
 POLICIES = ["static", "schedule", "adaptive", "cost"]
+FREE = "{" + ",".join(f"{b}:{{1:10,12:10}}" for b in (1, 2, 3)) + "}"  # speculation.cost_ms: any width is free
 DRAFTERS = ["ngram", "suffix", "eagle"]
 
 
@@ -79,7 +80,8 @@ def test_schedule_off_past_a_batch_size(tmp_path, plain):
 def test_per_request_limits(tmp_path, plain, policy):
     """"speculate": false never drafts; "max_spec_tokens" caps the drafts a request verifies per round."""
     extra = {0: {"speculate": False}, 3: {"max_spec_tokens": 1}, 1: {"max_spec_tokens": 0}}
-    out = decode(tmp_path, "draft=ngram", f"speculation={policy}", extra=extra)
+    free = [f"speculation.cost_ms={FREE}"] if policy == "cost" else []  # (a measured curve may rule drafts out)
+    out = decode(tmp_path, "draft=ngram", f"speculation={policy}", *free, extra=extra)
     reqs = out["requests"]
     assert [r.output_ids for r in reqs] == plain
     assert reqs[0].num_draft_tokens == 0 and reqs[1].num_draft_tokens == 0
@@ -104,3 +106,12 @@ def test_a_policy_with_draft_none_is_noted_as_unread(capsys):
     run(compose("model=tiny", "draft=none", "speculation=cost", "workload.num_prompts=1",
                 "workload.max_new_tokens=2"), quiet=True)
     assert "speculation=cost is not read: draft=none drafts nothing" in capsys.readouterr().err
+
+
+def test_cost_pads_steps_to_a_cheaper_width_with_the_same_output(tmp_path, plain):
+    """A curve where 5 tokens cost less than 1 (CPU, packed weights): every step is laid out at least 5 wide,
+    drafts or not, and greedy output is unchanged."""
+    rows = "{" + ",".join(f"{b}:{{1:50,5:40,12:400}}" for b in (1, 2, 3)) + "}"
+    out = decode(tmp_path, "draft=ngram", "speculation=cost", f"speculation.cost_ms={rows}")
+    assert [r.output_ids for r in out["requests"]] == plain
+    assert min(out["metrics"]["speculation"]["verify_width_histogram"]) == 5
