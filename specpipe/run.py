@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from specpipe.allocators.base import allocator_class, build_allocator
 from specpipe.config.build import build
+from specpipe.config.compose import default_options
 from specpipe.config.schema import PROMPT_SET_NAMES, SAMPLING_RULES, draft_schema
 from specpipe.config.validate import run_stop_strings, validate
 from specpipe.decode.metrics import Metrics, recompile_count, recompile_limit_hits
@@ -114,7 +115,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
         log.info(note)
     proposer = RootOnly() if jump else build_proposer(cfg, pair, max_requests, max_context, device, sampled, keep)
     policy = cfg.speculation._target_.rsplit(".", 2)[-2]
-    if proposer is None and policy != "static":
+    if proposer is None and policy != default_options()["speculation"]:
         log.info(f"specpipe: note: speculation={policy} is not read: draft={schema.label(d)} drafts nothing")
     if proposer is None:
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling, wrap)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specpipe.cli.argv import parse_command
-from specpipe.config.compose import CONF_DIR, config_dirs, config_groups, group_options
+from specpipe.config.compose import config_dirs, config_groups, default_options, group_options
 
 
 def usage(argv: Optional[list] = None) -> str:
@@ -43,18 +43,6 @@ def usage(argv: Optional[list] = None) -> str:
         "docs/configuration.md documents every option, docs/outputs.md every metric. Hydra's own help: "
         "python -m specpipe --hydra-help",
     ])
-
-
-def default_options() -> dict[str, str]:
-    """group -> the option the primary config's defaults list chooses."""
-    from omegaconf import OmegaConf
-
-    chosen = {}
-    for d in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
-        if isinstance(d, dict) or OmegaConf.is_dict(d):
-            (group, option), = dict(d).items()
-            chosen[group] = option
-    return chosen
 
 
 def hide_schemas_from_completion() -> None:

@@ -140,3 +140,15 @@ def default_value(key: str, overrides: list[str]):
         return OmegaConf.select(compose_config(overrides), key, default=None)
     except Exception:
         return None
+
+
+def default_options() -> dict[str, str]:
+    """group -> the option the primary config's defaults list chooses."""
+    from omegaconf import OmegaConf
+
+    chosen = {}
+    for d in OmegaConf.load(CONF_DIR / "config.yaml").defaults:
+        if isinstance(d, dict) or OmegaConf.is_dict(d):
+            (group, option), = dict(d).items()
+            chosen[group] = option
+    return chosen
