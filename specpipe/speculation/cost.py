@@ -13,7 +13,7 @@ extrapolating the first segment's slope (one row to two is a jump on CPU: GEMV t
 that paid on the shipped pair. Timing noise only ever slows a step, so a point's first SEEN measurements keep their
 minimum; later ones move an average (contexts grow). A fixed curve may be given instead: speculation.cost_ms.
 
-When several steps in a row chose width 1, drafting pauses (its cost saved) except every skip_after-th step.
+When several steps in a row verified no draft, drafting pauses (its cost saved) except every skip_after-th step.
 
 A step is laid out wider than its nodes need (padding nodes, never accepted) when a wider measured width costs less:
 on CPU, oneDNN's packed GEMMs run one row slower than four (SmolLM2's lm_head: 6.9 ms at one row, 5.6 ms at four),
