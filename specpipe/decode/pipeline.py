@@ -48,6 +48,7 @@ class Pipeline:
         self.finished_log: list[Request] = []  # finished since the runner last looked (it drains this)
         self.logprobs = False  # workload.logprobs: record each committed token's raw target log-probability
         self.grammar = None  # a grammar.tree.TreeGrammar when some request is constrained (response_format, ...)
+        self.waiting = 0  # requests the scheduler holds for a free row (0: the batch drains; speculation=cost)
 
     # ---- KV capacity --------------------------------------------------------------------
     growth = 1  # tokens a request may add in one step (speculative pipelines: the verify tree)

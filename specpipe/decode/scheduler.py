@@ -64,6 +64,7 @@ def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_
                     admitted = admit_some(pipe, group)
                     waiting.extendleft(reversed(group[admitted:]))
                 if pipe.reqs:
+                    pipe.waiting = len(waiting)
                     ts = time.perf_counter()
                     retracted = pipe.step()
                     waiting.extendleft(reversed(retracted))

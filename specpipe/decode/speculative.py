@@ -161,7 +161,7 @@ class SpecPipeline(Pipeline):
             self.sampling.limit(int(L.max()) + 1)
         t_draft = time.perf_counter()
         with m.stage("draft"):
-            limits = self.policy.limits(self.reqs, L)  # [B] draft tokens each request may verify
+            limits = self.policy.limits(self.reqs, L, self.waiting)  # [B] draft tokens each request may verify
             tree, draft_probs, conf = self.draft(rows_t, L, L_t, limits)
         if self.grammar is not None:
             with m.stage("grammar"):

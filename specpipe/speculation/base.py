@@ -3,7 +3,7 @@ each verify, and the telemetry metrics.json shows.
 
 A policy is one class in specpipe/speculation/<option>.py named by its schema's `_target_`
 (`config.speculation`). `decode.speculative.SpecPipeline` calls, per step:
-  limits(reqs, L) -> [B]                       most draft tokens each request may verify (0: a plain step)
+  limits(reqs, L, waiting) -> [B]              most draft tokens each request may verify (0: a plain step)
   skip_draft(limits) -> bool                   no drafting at all this step (every request decodes plainly)
   shape(tree, draft_probs, conf, limits, L_t)  the tree to verify (`speculation.trim`)
   observe(...)                                 after the commit: what was accepted, and what the step cost
@@ -49,9 +49,10 @@ class Policy:
         """[B] most draft tokens per request the policy itself allows (subclasses: schedule)."""
         return np.full(B, self.N - 1, dtype=np.int64)
 
-    def limits(self, reqs, L: np.ndarray) -> np.ndarray:
+    def limits(self, reqs, L: np.ndarray, waiting: int = 0) -> np.ndarray:
         """[B] most draft tokens each request verifies: the policy's, a prompt's `speculate: false` and
-        `max_spec_tokens`, and speculation.max_context (a longer context decodes plainly)."""
+        `max_spec_tokens`, and speculation.max_context (a longer context decodes plainly). `waiting`: requests
+        queued for a row (`cost` weighs what a token is worth by it)."""
         lim = self.batch_limit(len(reqs), L)
         own = np.asarray([self.N - 1 if r.max_spec_tokens is None else r.max_spec_tokens for r in reqs],
                          dtype=np.int64)

@@ -4,7 +4,8 @@ from omegaconf import OmegaConf
 
 import torch
 
-from specpipe.speculation.cost import CostCurve, CostPolicy
+from specpipe.decode.request import Request
+from specpipe.speculation.cost import CostCurve, CostPolicy, worth
 from specpipe.speculation.trim import HostTree
 from specpipe.stages.tree_layout import tree_from_parents
 
@@ -134,3 +135,27 @@ def test_a_new_batch_size_borrows_the_measured_shape():
     pol = policy()
     pol.curve = c
     assert pol.width(np.array([[1.0, 0.9, 0.9, 0.9, 0.9]]), np.array([4])) == 5  # no exploration at B = 1
+
+
+def req(out: int, accepted: int, max_new: int = 64):
+    return Request(0, "", [1], max_new, output_ids=[7] * out, num_accepted_tokens=accepted)
+
+
+def test_worth_is_level_until_a_request_pulls_ahead():
+    assert np.allclose(worth([req(10, 0), req(10, 0), req(10, 0)]), 1 / 3)
+    w = worth([req(30, 20), req(30, 0), req(20, 0, max_new=40)])  # 34 left at 3 per step; 34 at 1; 20 at 1
+    assert w[1] > 0.99 and w[0] < 1e-3 and w[2] < 1e-3
+
+
+def test_draining_batch_drafts_only_for_the_request_that_ends_last():
+    """Request 0 is sure of its drafts but well ahead; request 1, the last to finish, has none. While others
+    queue, request 0's tokens pay for the wider verify; once the batch drains they would not shorten the run."""
+    pol = policy({2: {1: 10, 5: 14}})
+    p = np.array([[1.0, 0.9, 0.9, 0.9, 0.9], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    reqs = [req(40, 30), req(20, 0)]
+    limits = pol.limits(reqs, np.array([50, 30]), waiting=3)
+    assert pol.width(p, limits) == 5
+    limits = pol.limits(reqs, np.array([50, 30]), waiting=0)
+    assert pol.width(p, limits) == 1
+    behind_with_drafts = pol.limits([req(20, 0), req(40, 30)], np.array([30, 50]), waiting=0)
+    assert pol.width(p, behind_with_drafts) == 5

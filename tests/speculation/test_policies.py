@@ -5,6 +5,7 @@ import json
 import pytest
 
 from specpipe.run import run
+from specpipe.speculation.cost import CostPolicy
 from helpers import compose
 
 POLICIES = ["static", "schedule", "adaptive", "cost"]
@@ -118,3 +119,12 @@ def test_cost_pads_steps_to_a_cheaper_width_with_the_same_output(tmp_path, plain
     out = decode(tmp_path, "draft=ngram", "speculation=cost", f"speculation.cost_ms={rows}")
     assert [r.output_ids for r in out["requests"]] == plain
     assert min(out["metrics"]["speculation"]["verify_width_histogram"]) == 5
+
+
+def test_cost_is_told_when_the_batch_drains(tmp_path, monkeypatch):
+    """5 prompts on 3 rows: the policy sees 2 requests waiting for a row at first, then none (`cost.worth`)."""
+    seen, limits = [], CostPolicy.limits
+    monkeypatch.setattr(CostPolicy, "limits", lambda self, reqs, L, waiting=0: seen.append(waiting) or
+                        limits(self, reqs, L, waiting))
+    decode(tmp_path, "draft=ngram", "speculation=cost")
+    assert seen[0] == 2 and seen[-1] == 0 and sorted(seen, reverse=True) == seen
