@@ -35,7 +35,8 @@ position (a gap near 0 is an fp32 argmax tie between two numerically different p
         --max-new 32 --repeats 1 --eager-only --ngram-steps 4 --only "HF greedy" "prompt lookup" \
         "specpipe draft=none" "specpipe draft=ngram"          # a real HF folder, a few rows
 
---model-dir may also be one Hugging Face model folder (a real checkpoint, no EAGLE head): both engines then get the
+--model-dir may also be one Hugging Face model folder (a real checkpoint; --head DIR adds an EAGLE head for it, e.g. one
+`python -m specpipe.train` wrote, and its draft=eagle rows): both engines then get the
 same token ids from the folder's own tokenizer, a chat set (--prompt-set chat or code, the default where the folder
 has a chat template) rendered with its chat template as transformers' apply_chat_template renders it, and the script
 stops before timing anything if specpipe's prompt ids differ from those. EOS is every id that ends a specpipe request.
@@ -275,6 +276,7 @@ def main() -> None:
                     help="folder with target/ (and eagle/) HF folders, or one HF model folder (a real checkpoint)")
     ap.add_argument("--random", action="store_true", help="use a random model of the shipped shape (saved to a temp "
                                                           "folder) instead of --model-dir")
+    ap.add_argument("--head", default=None, help="an EAGLE head folder for a one-folder --model-dir (draft.path)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts of --prompt-set (the first N)")
     ap.add_argument("--prompt-set", choices=["heldout", "chat", "code"], default=None,
                     help="specpipe's built-in set (workload.prompt_set); default: chat for a folder with a chat "
@@ -319,6 +321,9 @@ def main() -> None:
         model_dir = save_random(tmp / "random", layers)
         note = "RANDOM model (untrained) of the shipped shape"
     target_dir, eagle_dir = (model_dir, None) if one_folder else (model_dir / "target", model_dir / "eagle")
+    if args.head:
+        eagle_dir = Path(args.head).expanduser()
+        note += f" + EAGLE head {eagle_dir.name}"
     draft_dir = save_truncated(target_dir, tmp / f"draft_{args.draft_layers}l", args.draft_layers)
 
     pair = load_hf(target_dir, eagle_dir if eagle_dir and (eagle_dir / "config.json").is_file() else None,
