@@ -117,10 +117,10 @@ class CostPolicy(Policy):
         self.plain_run = 0  # steps in a row that verified no draft
         self.paused = 0  # steps since drafting paused
         self.warm = False  # a step has been taken
-        self.worth: Optional[np.ndarray] = None  # [B] each request's share of a token's worth (sums to 1)
+        self.draining: Optional[list] = None  # this step's requests when none wait for a row (`worth`)
 
     def limits(self, reqs, L: np.ndarray, waiting: int = 0) -> np.ndarray:
-        self.worth = None if waiting else worth(reqs)
+        self.draining = None if waiting else reqs  # (weighed in `width`, only on steps that draft)
         return super().limits(reqs, L, waiting)
 
     def skip_draft(self, limits: np.ndarray) -> bool:
@@ -152,7 +152,7 @@ class CostPolicy(Policy):
             return 1
         tail = -np.sort(-p[:, 1:], axis=1)  # [B, N-1] most probable first
         tail = np.where(np.arange(tail.shape[1])[None, :] < limits[:, None], tail, 0.0)
-        w = self.worth if self.worth is not None and len(self.worth) == B else np.full(B, 1.0 / B)
+        w = worth(self.draining) if self.draining is not None and len(self.draining) == B else np.full(B, 1.0 / B)
         gain = B * np.concatenate([[0.0], np.cumsum(w @ tail)])[:most]  # E(n) for n = 1..most
         widths = np.arange(1, most + 1)
         rate = (B + gain) / (self.curve(B, widths) + self.draft_s.get(B, 0.0))
