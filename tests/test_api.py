@@ -17,7 +17,7 @@ PROMPTS = ["def f(x):", "class A:\n    ", "import os"]
 
 
 def test_generate_equals_the_cli_run_and_loads_weights_once(tmp_path):
-    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")
+    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3", "speculation=static")  # (drafts verified every step)
     loads = MODEL_LOADS[0]
     got = sp.generate(PROMPTS + [[5, 6, 7]])
     assert sp.metrics["accept_length_mean"] > 1 and sp.metrics["num_requests"] == 4

@@ -92,7 +92,8 @@ def mixed_prompts(n, seed=0):
 def test_memory_pressure_outputs_equal_ample_pool(tmp_path, pair, draft):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in mixed_prompts(200)))
-    common = ["workload.max_new_tokens=16", "workload.batch_size=64", *draft]
+    # static: which nodes a step verifies must not depend on timings (under `cost` a sampled run's coins do)
+    common = ["workload.max_new_tokens=16", "workload.batch_size=64", "speculation=static", *draft]
     ample = run_on(path, pair, *common, "allocator.num_slots=20000")
     # 200 requests need ~ 200 * (20 + 16 + tree) slots in all; a quarter of that keeps ~50 resident
     tight = run_on(path, pair, *common, "allocator.num_slots=1600", "allocator=paged", "allocator.page_size=16")

@@ -14,6 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor
 
+from specpipe.decode.metrics import recompile_count
 from specpipe.decode.pipeline import Pipeline
 from specpipe.grammar.tree import apply
 from specpipe.stages.tree_layout import tree_from_parents
@@ -80,7 +81,7 @@ class SpecPipeline(Pipeline):
             pol.skipped_step()
             self.proposer.bad = None
             # a plain step through the verify: the root, and padding nodes where the policy finds a wider step cheaper
-            root = self.last_token[:, None].repeat(1, pol.pad_to(len(self.reqs), 1))  # [B, w]
+            root = self.last_token[:, None].repeat(1, pol.layout_width(len(self.reqs), 1))  # [B, w]
             return tree_from_parents(root, torch.full_like(root, -1), L_t, self.S), None, None
         self.proposer.node_conf = None
         tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
@@ -159,7 +160,7 @@ class SpecPipeline(Pipeline):
         L_t = torch.from_numpy(L).to(self.dev)
         if self.sampling.penalized:  # contexts hold the cached tokens and the root (drafts are path tokens)
             self.sampling.limit(int(L.max()) + 1)
-        t_draft = time.perf_counter()
+        t_draft, graphs = time.perf_counter(), recompile_count()
         with m.stage("draft"):
             limits = self.policy.limits(self.reqs, L, self.waiting)  # [B] draft tokens each request may verify
             tree, draft_probs, conf = self.draft(rows_t, L, L_t, limits)
@@ -216,7 +217,8 @@ class SpecPipeline(Pipeline):
                 self.proposer.topk_p, self.proposer.topk_index, self.proposer.draft_hidden, self.last_token = next_start
             elif unfinished.any():
                 self.extend_drafter(unfinished, commit, vhidden, accept_index, L_t, kept_t, rows_t)
-        self.policy.observe(tree, conf, counts, np.asarray([h[S + 2: 2 * S + 2] for h in host]), L, draft_s)
+        self.policy.observe(tree, conf, counts, np.asarray([h[S + 2: 2 * S + 2] for h in host]), L, draft_s,
+                            compiled=recompile_count() != graphs)
         self.drop_finished()
         m.num_verify_steps += 1
         return retracted

@@ -92,9 +92,7 @@ class Policy:
         if keep.all():
             self.verified = ht
             return tree, draft_probs, conf
-        width = self.pad_to(len(keep), int(keep.sum(1).max()))
-        if self.buckets is not None:
-            width = next(b for b in self.buckets if b >= width)
+        width = self.layout_width(len(keep), int(keep.sum(1).max()))
         tree, self.verified, draft_probs, conf = trim(tree, ht, keep, L_t, self.compact, width, draft_probs, conf)
         return tree, draft_probs, conf
 
@@ -102,6 +100,16 @@ class Policy:
         """The width a step that verifies n nodes per request is laid out at (n, or wider where that is cheaper:
         `cost`)."""
         return n
+
+    def layout_width(self, B: int, n: int) -> int:
+        """The width a step verifying n nodes per request is laid out at. A compiled verify rounds it up to a bucket,
+        and to the smallest bucket it has not run yet while there is one: the first steps meet every bucket, so
+        every graph compiles during warm-up, not when a later step first widens."""
+        w = self.pad_to(B, n)
+        if self.buckets is None:
+            return w
+        fits = [b for b in self.buckets if b >= w]
+        return next((b for b in fits if b not in self.widths), fits[0])
 
     def bucketed(self, n: int) -> None:
         """A compiled verify: lay trees out at powers of two up to the full width (log2 N graphs, not N)."""
@@ -111,9 +119,12 @@ class Policy:
     def verify_begins(self) -> None:
         self.t_verify = time.perf_counter()
 
-    def observe(self, tree, conf, counts: np.ndarray, ranks: np.ndarray, L: np.ndarray, draft_s: float) -> None:
+    def observe(self, tree, conf, counts: np.ndarray, ranks: np.ndarray, L: np.ndarray, draft_s: float,
+                compiled: bool = False) -> None:
         """After the commit: the verified tree, drafts accepted [B] and the sibling rank accepted at each depth
-        [B, S] (read back with the commit), contexts L [B], and the draft stage's seconds."""
+        [B, S] (read back with the commit), contexts L [B], and the draft stage's seconds. `compiled`: the step
+        compiled a graph, so its time is not what the step costs (a width first met would look too dear to
+        choose again)."""
         B, width = tree.tokens.shape
         self.widths[width] += 1
         ht = self.verified
@@ -124,7 +135,8 @@ class Policy:
             bins = np.searchsorted(CONTEXT_BINS, L, side="right") - 1
             np.add.at(self.by_context, (bins[drafted], 0), 1)
             np.add.at(self.by_context, (bins[drafted], 1), counts[drafted])
-        self.learn_cost(B, width, time.perf_counter() - self.t_verify, draft_s, bool(drafted.any()))
+        if not compiled:
+            self.learn_cost(B, width, time.perf_counter() - self.t_verify, draft_s, bool(drafted.any()))
 
     def learn_cost(self, B: int, width: int, verify_s: float, draft_s: float, drafted: bool) -> None:
         """What the step cost at this verify width (padding included), and whether it verified any draft."""

@@ -21,7 +21,12 @@ extrapolating the first segment's slope (one row to two is a jump on CPU: GEMV t
 that paid on the shipped pair. Timing noise only ever slows a step, so a point's first SEEN measurements keep their
 minimum; later ones move an average (contexts grow). A fixed curve may be given instead: speculation.cost_ms.
 
-When several steps in a row verified no draft, drafting pauses (its cost saved) except every skip_after-th step.
+A draft already made is verified at whatever width pays from there, but drafting itself must pay too: a step
+whose best rate, draft stage included, is under a plain step's without one (B / c(B, 1)) counts as a step without a
+draft. After skip_after such steps in a row, drafting pauses (its cost saved), and every so many steps a probe
+drafts again: every skip_after-th step, or rarer where a draft stage is dear, so that probes cost at most PROBE of
+the paused steps' time. (A weak EAGLE head on SmolLM2 drafted every step for 0.3 accepted tokens at 22 ms, over a
+third of a 58 ms step: 0.82x plain. Its probes now come every 19 steps; an n-gram drafter's 1 ms, every 4th.)
 
 A step is laid out wider than its nodes need (padding nodes, never accepted) when a wider measured width costs less:
 on CPU, oneDNN's packed GEMMs run one row slower than four (SmolLM2's lm_head: 6.9 ms at one row, 5.6 ms at four),
@@ -39,6 +44,8 @@ EMA = 0.25  # weight of a new measurement of c(B, n)
 FREE = 0.03  # the full padded width counts as free when it costs at most this much more than the chosen one
 PAD = 0.03  # a step is padded to a wider width that costs at least this much less (both measured, SEEN times)
 SEEN = 3
+PROBE = 0.02  # while drafting pauses, probes cost at most this share of the paused steps' time
+MOST_PAUSED = 64  # steps between probes at most
 LAST = 2.0  # steps: while draining, a request this many steps from the last to finish counts 1/e as much
 
 
@@ -117,6 +124,8 @@ class CostPolicy(Policy):
         self.plain_run = 0  # steps in a row that verified no draft
         self.paused = 0  # steps since drafting paused
         self.warm = False  # a step has been taken
+        self.proposed = False  # this step ran the drafter (its draft stage is a measurement of d)
+        self.paid = False  # this step's draft, draft stage included, beat a plain step without one
         self.draining: Optional[list] = None  # this step's requests when none wait for a row (`worth`)
 
     def limits(self, reqs, L: np.ndarray, waiting: int = 0) -> np.ndarray:
@@ -128,10 +137,24 @@ class CostPolicy(Policy):
             return True
         if self.skip_after and self.plain_run >= self.skip_after:
             self.paused += 1
-            return self.paused % self.skip_after != 0
+            return self.paused % self.probe_every(len(limits)) != 0
         return False
 
+    def probe_every(self, B: int) -> int:
+        """Steps from one probe to the next while drafting pauses: skip_after, or as many as keep the probes'
+        draft stages within PROBE of the time the paused steps take."""
+        d = self.draft_s.get(B)
+        if not d or not self.curve.row(B):
+            return self.skip_after
+        plain = float(self.curve(B, np.asarray([1]))[0])
+        return int(min(MOST_PAUSED, max(self.skip_after, np.ceil(d / (PROBE * plain)))))
+
+    def skipped_step(self) -> None:
+        super().skipped_step()
+        self.proposed = self.paid = False
+
     def keep(self, ht, conf, limits):
+        self.proposed = True
         p = self.probs(ht, conf)
         n = self.width(p, limits)
         keep = self.top_slice(p, ht.depth, np.minimum(limits, n - 1))
@@ -144,6 +167,7 @@ class CostPolicy(Policy):
     def width(self, p: np.ndarray, limits: np.ndarray) -> int:
         """The verify width (root included) with the most expected tokens per second."""
         B = p.shape[0]
+        self.paid = False
         most = int(np.minimum((p[:, 1:] > 0).sum(1), limits).max()) + 1
         if most == 1:
             return 1
@@ -155,8 +179,10 @@ class CostPolicy(Policy):
         w = worth(self.draining) if self.draining is not None and len(self.draining) == B else np.full(B, 1.0 / B)
         gain = B * np.concatenate([[0.0], np.cumsum(w @ tail)])[:most]  # E(n) for n = 1..most
         widths = np.arange(1, most + 1)
-        rate = (B + gain) / (self.curve(B, widths) + self.draft_s.get(B, 0.0))
+        cost = self.curve(B, widths)
+        rate = (B + gain) / (cost + self.draft_s.get(B, 0.0))
         n = int(widths[np.argmax(rate)])
+        self.paid = bool(rate.max() > B / cost[0])  # (cost[0]: a plain step, and no draft stage at all)
         return n if self.curve.fixed else min(n, 2 * max(row))  # explore at most twice the widest measured
 
     def pad_to(self, B: int, n: int) -> int:
@@ -167,13 +193,13 @@ class CostPolicy(Policy):
             self.warm = True
             return
         self.curve.learn(B, width, verify_s)
-        if draft_s > 0:
+        if self.proposed and draft_s > 0:  # (a paused step's few host ops are not the draft stage)
             old = self.draft_s.get(B)
             self.draft_s[B] = draft_s if old is None else (1 - EMA) * old + EMA * draft_s
-        if not drafted:
-            self.plain_run += 1
-        else:
+        if drafted and self.paid:
             self.plain_run, self.paused = 0, 0
+        else:
+            self.plain_run += 1
 
     def cost_curve(self) -> Optional[dict]:
         return {int(b): {int(n): round(s * 1000, 3) for n, s in sorted(row.items())}

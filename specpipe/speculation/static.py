@@ -18,7 +18,7 @@ class StaticPolicy(Policy):
         p[:, 0] = 1.0
         return self.top_slice(p, ht.depth, limits)
 
-    def observe(self, tree, conf, counts, ranks, L, draft_s) -> None:
+    def observe(self, tree, conf, counts, ranks, L, draft_s, compiled=False) -> None:
         """Counts only, no device read: static learns nothing, so its steps cost what they did before policies
         existed."""
         self.widths[tree.tokens.shape[1]] += 1

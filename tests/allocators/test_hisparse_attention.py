@@ -11,7 +11,7 @@ from helpers import compose, random_prompts, write_prompts
 
 NEW = 40
 LENGTHS = [40, 47, 55, 64]
-SPARSE = ("model.sparse_top_k=4", "model.sparse_local=8")
+SPARSE = ("model.sparse_top_k=4", "model.sparse_local=8", "speculation=static")  # (runs compared step for step)
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def run_steady(monkeypatch, in_step: list, *overrides, mode=None) -> int:
 
     monkeypatch.setattr("specpipe.run.run_requests", spy(run_requests))
     run(compose("model=random_tiny", "workload.num_prompts=2", "workload.batch_size=2", "workload.max_new_tokens=40",
-                *overrides), quiet=True)
+                "speculation=static", *overrides), quiet=True)  # (static reads no tree back: see the cost case)
     return steps[0]
 
 
@@ -103,6 +103,28 @@ def test_one_host_read_per_step(monkeypatch, overrides):
     assert measured > 5
     assert counts["tolist"] == measured, counts  # the commit's single read per step
     assert sum(v for k, v in counts.items() if k != "tolist") == 0, counts
+    assert not sized.counts, sized.counts
+
+
+@pytest.mark.parametrize("draft", ["ngram", "eagle"])
+def test_a_shaping_policy_adds_only_the_trees_host_view(monkeypatch, draft):
+    """speculation=cost (the default) reads each drafted tree's shape to choose what to verify: host arrays on CPU,
+    device reads on an accelerator. Still one commit read per step, and no op sized by the data."""
+    counts, in_step, sized = Counter(), [False], DataSizedOps()
+    for name in READS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **k):
+            if in_step[0]:
+                counts[_name] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    steps = run_steady(monkeypatch, in_step, f"draft={draft}", "speculation=cost",
+                       "speculation.cost_ms={2: {1: 1, 8: 1}}", mode=sized)  # verifying is free: every tree drafted
+    measured = steps - 2
+    assert measured > 5
+    assert counts["tolist"] == measured, counts
+    assert 0 < counts["numpy"] <= 8 * measured, counts  # parent, depth, mask and tokens of the drafted trees
     assert not sized.counts, sized.counts
 
 

@@ -47,7 +47,7 @@ def test_greedy_speculative_equals_target_greedy(seed, batch, prompts_file):
     accepted_deep = 0
     for k, s, n in shapes():
         got, m = decode(path, pair, f"workload.batch_size={batch}", f"draft.topk={k}", f"draft.num_steps={s}",
-                        f"draft.num_draft_tokens={n}")
+                        f"draft.num_draft_tokens={n}", "speculation=static")  # (each shape verified whole)
         assert got == want, f"topk={k} num_steps={s} num_draft_tokens={n} differs from target greedy"
         assert m["kv_leaked_slots"] == 0
         accepted_deep += m["acceptance_rate_per_position"][-1] > 0
@@ -86,7 +86,7 @@ def test_every_drafter_is_lossless(drafter, prompts_file):
     path = prompts_file(prompts_for(0))
     pair = build_random_tiny(seed=0, dtype="float64")
     want = baseline(0, 4, path, pair)
-    got, m = decode(path, pair, "workload.batch_size=4", *drafter)
+    got, m = decode(path, pair, "workload.batch_size=4", "speculation=static", *drafter)  # every tree verified
     assert got == want
     assert m["kv_leaked_slots"] == 0
     assert m["accept_length_mean"] > 1.0, "nothing accepted: the comparison would not exercise commits"

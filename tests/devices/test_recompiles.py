@@ -41,7 +41,7 @@ def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, mo
     rng = random.Random(0)
     path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])
     cfg = compose("model=random_tiny", f"workload.prompts_file={path}", "workload.batch_size=4",
-                  f"workload.max_new_tokens={max(BUDGETS)}", *overrides)
+                  f"workload.max_new_tokens={max(BUDGETS)}", "speculation=static", *overrides)  # (cost: below)
     seen = run_watched(monkeypatch, cfg, BUDGETS)
     sizes, graphs = seen["sizes"], seen["graphs"]
     assert all(r.finish_reason == "length" for r in seen["requests"])
@@ -51,6 +51,32 @@ def test_compiled_topk_compiles_nothing_after_warmup(overrides, prompts_file, mo
     assert {1, 2, 3, 4} <= set(after), f"batch composition did not vary enough: {sorted(set(after))}"
     new = graphs[-1] - graphs[WARMUP_STEPS - 1]
     assert new == 0, f"{new} graph(s) compiled after warm-up; batch sizes per step: {sizes}"
+
+
+@pytest.mark.parametrize("draft", [["draft=ngram"], ["draft.topk=2", "draft.num_steps=3", "draft.num_draft_tokens=6"]],
+                         ids=["ngram", "eagle"])
+def test_a_compiled_verify_under_cost_compiles_every_width_during_warmup(draft, prompts_file, monkeypatch):
+    """speculation=cost (the default) widens the verify as drafts start to pay, so a compiled verify first met a
+    width mid-run: a graph compiled then, and that step's compile time, learned as the width's cost, kept the width
+    from ever being chosen again. The first steps now visit each bucket width, and a compiling step teaches the
+    cost curve nothing."""
+    import torch._dynamo
+
+    rng = random.Random(0)
+    path = prompts_file(["".join(rng.choice("abcdefgh ij=():\n") for _ in range(n)) for n in LENGTHS])
+    base = ["model=random_tiny", f"workload.prompts_file={path}", "workload.batch_size=4",
+            f"workload.max_new_tokens={max(BUDGETS)}", "speculation=cost", *draft]
+    torch._dynamo.reset()  # (graphs another test compiled for this forward would serve its first widths)
+    eager = run_watched(monkeypatch, compose(*base), BUDGETS)
+    seen = run_watched(monkeypatch, compose(*base, f"compile.verify.target_forward={AOT_FULL}"), BUDGETS)
+    assert [r.output_ids for r in seen["requests"]] == [r.output_ids for r in eager["requests"]]
+    policy = seen["pipe"].policy
+    warmup = len(policy.buckets)
+    assert set(policy.widths) == set(policy.buckets)
+    graphs = seen["graphs"]
+    assert graphs[warmup - 1] > seen["graphs_before"] and graphs[-1] == graphs[warmup - 1], graphs
+    costs = [ms for row in policy.cost_curve().values() for ms in row.values()]
+    assert max(costs) < 20 * min(costs), policy.cost_curve()  # no compile time (~1 s) among the ~ms steps
 
 
 def test_compiled_draft_extend_decodes_like_eager(prompts_file):

@@ -70,7 +70,7 @@ def test_a_run_drafts_the_same_on_either_path(monkeypatch, tmp_path, method):
 
     path = write_prompts(tmp_path / "p.jsonl", random_prompts(3, [60, 90, 30, 75]))
     over = ("model=random_tiny", f"draft={method}", f"workload.prompts_file={path}", "workload.batch_size=3",
-            "workload.max_new_tokens=24")
+            "workload.max_new_tokens=24", "speculation=static")  # (drafts every step on either path)
     calls = []
     real = ngram_host.propose
     monkeypatch.setattr(ngram_host, "propose", lambda *a: calls.append(1) or real(*a))

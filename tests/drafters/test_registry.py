@@ -79,7 +79,7 @@ def test_a_drafter_added_in_its_own_file_decodes_as_plain_greedy_decoding(repeat
     from specpipe.run import run
 
     over = ["model=random_tiny", "device.dtype=float64", "workload.num_prompts=3", "workload.max_new_tokens=12",
-            "workload.batch_size=2"]
+            "workload.batch_size=2", "speculation=static"]  # (the drafter is asked every step)
     cfg = compose_config([*over, "draft=repeat"], config_dir=str(repeat_drafter))
     assert draft_schema(cfg.draft) is RepeatDraftConf and draft_schema(cfg.draft).label(cfg.draft) == "repeat"
     RepeatProposer.calls = 0

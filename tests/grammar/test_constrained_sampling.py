@@ -76,7 +76,7 @@ def sample(pair, tmp_path, n, *overrides, regex=REGEX):
     """Counts [V**3] of the committed 3-token outputs of n seeded constrained requests, and the run's metrics."""
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": PROMPT, "seed": i, "regex": regex}) + "\n" for i in range(n)))
-    out = letter_model_run(pair, path, T_NEW, TEMP, TOP_P, *overrides)
+    out = letter_model_run(pair, path, T_NEW, TEMP, TOP_P, "speculation=static", *overrides)  # (drafts every step)
     counts = torch.zeros(V ** T_NEW, dtype=torch.float64)
     for r in out["requests"]:
         assert r.finish_reason == "length", (r.finish_reason, r.error)

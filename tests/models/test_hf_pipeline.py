@@ -48,7 +48,7 @@ def test_eagle_decode_equals_transformers_generate(make_hf_model, edit_config, t
     path.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
     cfg = compose("model=hf", f"model.path={folder}", f"draft.path={head_dir}", "device.dtype=float64",
                   f"workload.prompts_file={path}", f"workload.max_new_tokens={MAX_NEW}", "workload.batch_size=4",
-                  "draft.topk=2", "draft.num_steps=3")
+                  "draft.topk=2", "draft.num_steps=3", "speculation=static")  # (drafts verified: commits checked)
     out = run(cfg, quiet=True)
     assert out["metrics"]["num_errors"] == 0
     assert out["metrics"]["accept_length_mean"] > 1  # some drafts accepted: multi-token commits checked too
@@ -129,7 +129,8 @@ def test_repetition_penalty_equals_transformers_generate(make_hf_model, edit_con
         extra = [f"draft.path={save_eagle(random_head(target, seed=12), tmp_path / 'eagle')}", "draft.topk=2",
                  "draft.num_steps=3"]
     cfg = compose("model=hf", f"model.path={folder}", f"draft={draft}", "device.dtype=float64", *extra,
-                  f"workload.prompts_file={path}", f"workload.max_new_tokens={MAX_NEW}", "workload.batch_size=4")
+                  f"workload.prompts_file={path}", f"workload.max_new_tokens={MAX_NEW}", "workload.batch_size=4",
+                  "speculation=static")
     out = run(cfg, quiet=True)
     (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
     plain = run(compose("model=hf", f"model.path={folder}", "draft=none", "device.dtype=float64",
@@ -212,7 +213,8 @@ def test_a_standalone_draft_padded_to_another_vocab_size(make_hf_model, edit_con
     def decode(target, *extra):
         return run(compose("model=hf", f"model.path={target}", "device.dtype=float64",
                            f"workload.prompts_file={prompts}",
-                           f"workload.max_new_tokens={MAX_NEW}", "workload.ignore_eos=true", *extra), quiet=True)
+                           f"workload.max_new_tokens={MAX_NEW}", "workload.ignore_eos=true", "speculation=static",
+                           *extra), quiet=True)  # (every draft verified: "accept nearly every draft" is checked)
 
     # a draft whose 16 extra ids would win; a target whose 16 extra ids the smaller draft cannot propose
     for target, draft in ((small, padded("v316_draft", 316, 3.0)), (padded("v316_target", 316, 0.01), small)):

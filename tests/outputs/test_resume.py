@@ -13,7 +13,8 @@ from specpipe.models.random_tiny import build_random_tiny
 from specpipe.outputs.resume import META, PARTIAL
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["workload.max_new_tokens=10", "workload.batch_size=3", "draft.topk=2", "draft.num_steps=3"]
+COMMON = ["workload.max_new_tokens=10", "workload.batch_size=3", "draft.topk=2", "draft.num_steps=3",
+          "speculation=static"]  # (every tree verified: requests finish within the steps the stops count)
 
 
 @pytest.fixture(scope="module")

@@ -120,8 +120,37 @@ def test_drafting_pauses_after_plain_steps_and_probes_again():
         pol.learn_cost(1, 5, 0.01, 0.0, False)  # (padded steps without a draft count as plain)
     skipped = [pol.skip_draft(limits) for _ in range(4)]
     assert skipped == [True, False, True, False]  # every skip_after-th step drafts again
-    pol.learn_cost(1, 3, 0.01, 0.0, True)  # a draft was worth verifying: drafting resumes
+    pol.paid = True  # a draft was worth verifying, and worth making: drafting resumes
+    pol.learn_cost(1, 3, 0.01, 0.0, True)
     assert not pol.skip_draft(limits)
+
+
+def test_drafting_pauses_when_it_pays_only_once_made():
+    """A costly draft stage (8 ms against a 10 ms plain step) with a 30 % first token: once made, verifying 2 tokens
+    beats verifying 1 (1.3 tokens / 18.25 ms against 1 / 18 ms), but a plain step without drafting beats both
+    (1 / 10 ms), so drafting pauses. With a 0.5 ms draft stage the same draft pays and drafting goes on."""
+    limits = np.array([4])
+    p = np.array([[1.0, 0.3, 0.1, 0.05, 0.01]])
+    for draft_ms, pauses in ((8.0, True), (0.5, False)):
+        pol = policy({1: {1: 10, 2: 10.25, 5: 11}}, skip_after=2)
+        pol.draft_s[1] = draft_ms / 1000
+        for _ in range(2):
+            assert not pol.skip_draft(limits)
+            assert pol.width(p, limits) > 1  # the draft made is still verified
+            pol.learn_cost(1, 2, 0.01025, 0.0, True)
+        assert pol.skip_draft(limits) == pauses, draft_ms
+
+
+def test_a_dear_draft_stage_probes_rarely_while_paused():
+    """Probes keep their draft stages within 2 % of the paused steps' time: a 22 ms EAGLE head against a 58 ms
+    plain step probes every 19th step, a 1 ms n-gram drafter every skip_after-th (4)."""
+    limits = np.array([4])
+    for draft_ms, every in ((22.0, 19), (1.0, 4)):
+        pol = policy({1: {1: 58, 5: 70}}, skip_after=4)
+        pol.draft_s[1] = draft_ms / 1000
+        pol.plain_run = 4  # (paused)
+        skipped = [pol.skip_draft(limits) for _ in range(2 * every)]
+        assert [i + 1 for i, s in enumerate(skipped) if not s] == [every, 2 * every], draft_ms
 
 
 def test_a_new_batch_size_borrows_the_measured_shape():

@@ -127,7 +127,8 @@ def test_paged_draft_trees_equal_the_page_size_one_trees(drafter, ps, monkeypatc
     path = prompts_file(["d", "def f(x):\n   ", "class Stack:\n    def __init__(self):\n        ",
                          "import os\nimport sys\n", "for i in range(10):\n    print(i"])
     common = ["model=tiny", "device.dtype=float64", f"workload.prompts_file={path}", "workload.max_new_tokens=16",
-              "workload.batch_size=5", *drafter, "draft.topk=4", "draft.num_steps=4", "draft.num_draft_tokens=10"]
+              "workload.batch_size=5", *drafter, "draft.topk=4", "draft.num_steps=4", "draft.num_draft_tokens=10",
+              "speculation=static"]  # (the same rounds on either allocator)
     want, base = trees(monkeypatch, compose(*common, "allocator=token"), tiny_pair, cls)
     got, out = trees(monkeypatch, compose(*common, "allocator=paged", f"allocator.page_size={ps}",
                                           "allocator.debug=true"), tiny_pair, cls)

@@ -19,7 +19,7 @@ def decode(path, pair, monkeypatch, packed: bool, *overrides):
         return out
     monkeypatch.setattr(pipeline_mod.Pipeline, "pack_prefill", spy)
     cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
-                  "workload.max_new_tokens=12", "workload.batch_size=3", *overrides)
+                  "workload.max_new_tokens=12", "workload.batch_size=3", "speculation=static", *overrides)
     out = run(cfg, quiet=True, pair=pair)
     return [r.output_ids for r in out["requests"]], out["metrics"], calls
 

@@ -29,7 +29,8 @@ def test_a_compiled_prefill_decodes_like_the_eager_one(draft, monkeypatch):
 def test_an_eagle3_target_prefill_compiled_gives_its_features(monkeypatch):
     """EAGLE-3 reads chosen target layers at prefill: the compiled branch returns those, not the final hidden."""
     pair = random_eagle3_pair()
-    common = ["model=random_tiny", "model.num_layers=4", *BASE, "draft.topk=2", "draft.num_steps=3"]
+    common = ["model=random_tiny", "model.num_layers=4", *BASE, "draft.topk=2", "draft.num_steps=3",
+              "speculation=static"]  # (the same rounds in both runs: their acceptance is compared)
     want, _ = outputs(monkeypatch, compose(*common, "draft=none"), pair)
     eager, m_eager = outputs(monkeypatch, compose(*common), pair)
     got, m = outputs(monkeypatch, compose(*common, f"compile.prefill.target_forward={AOT}"), pair)

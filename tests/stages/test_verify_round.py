@@ -7,7 +7,7 @@ from pipeline_spy import run_watched
 
 AOT = "'compile(dynamic=true, fullgraph=true, backend=aot_eager)'"
 BASE = ["model=random_tiny", "device.dtype=float64", "workload.num_prompts=5", "workload.max_new_tokens=12",
-        "workload.batch_size=3"]
+        "workload.batch_size=3", "speculation=static"]  # every tree verified whole: the same rounds eager and fused
 
 
 def counted(monkeypatch, cfg):
