@@ -23,10 +23,12 @@ minimum; later ones move an average (contexts grow). A fixed curve may be given 
 
 A draft already made is verified at whatever width pays from there, but drafting itself must pay too: a step
 whose best rate, draft stage included, is under a plain step's without one (B / c(B, 1)) counts as a step without a
-draft. After skip_after such steps in a row, drafting pauses (its cost saved), and every so many steps a probe
-drafts again: every skip_after-th step, or rarer where a draft stage is dear, so that probes cost at most PROBE of
-the paused steps' time. (A weak EAGLE head on SmolLM2 drafted every step for 0.3 accepted tokens at 22 ms, over a
-third of a 58 ms step: 0.82x plain. Its probes now come every 19 steps; an n-gram drafter's 1 ms, every 4th.)
+draft. After skip_after such steps in a row, drafting pauses (its cost saved), and a probe drafts again every
+skip_after-th step. Each probe that finds nothing worth making doubles the gap to the next, up to the gap at which
+probes cost PROBE of the paused steps' time; a draft that pays resumes drafting. A cheap drafter keeps probing often
+(drafts come in bursts: a repeated line); a dear one stops paying for probes that fail. (A weak EAGLE head on SmolLM2
+drafted every step for 0.3 accepted tokens at 22 ms, over a third of a 58 ms step: 0.82x plain. Its failed probes
+now back off to every 19th step; an n-gram drafter's 1 ms stays at every 4th.)
 
 A step is laid out wider than its nodes need (padding nodes, never accepted) when a wider measured width costs less:
 on CPU, oneDNN's packed GEMMs run one row slower than four (SmolLM2's lm_head: 6.9 ms at one row, 5.6 ms at four),
@@ -44,7 +46,7 @@ EMA = 0.25  # weight of a new measurement of c(B, n)
 FREE = 0.03  # the full padded width counts as free when it costs at most this much more than the chosen one
 PAD = 0.03  # a step is padded to a wider width that costs at least this much less (both measured, SEEN times)
 SEEN = 3
-PROBE = 0.02  # while drafting pauses, probes cost at most this share of the paused steps' time
+PROBE = 0.02  # failed probes back off until they cost this share of the paused steps' time
 MOST_PAUSED = 64  # steps between probes at most
 LAST = 2.0  # steps: while draining, a request this many steps from the last to finish counts 1/e as much
 
@@ -77,6 +79,17 @@ class CostCurve:
             return n
         w = min(sure, key=row.get)
         return w if row[w] < (1 - PAD) * row[n] else n
+
+    def laid_out(self, B: int, widths: np.ndarray, most: int) -> np.ndarray:
+        """c(B, n) for each width n as the step is laid out: at `cheapest`'s wider measured width where it pays."""
+        cost = self(B, widths)
+        row = self.points.get(B, {})
+        sure = np.asarray([w for w in row if self.seen.get((B, w), 0) >= SEEN and w <= most], dtype=np.int64)
+        if not len(sure):
+            return cost
+        wide = np.where(sure[None, :] >= widths[:, None], np.asarray([row[w] for w in sure])[None, :], np.inf)
+        best = wide.min(1)
+        return np.where(best < (1 - PAD) * cost, best, cost)
 
     def known(self, B: int, n: Optional[int] = None) -> bool:
         """Whether B has a measured point at n; without n, whether the curve at B can be estimated (two points at
@@ -122,7 +135,8 @@ class CostPolicy(Policy):
         self.skip_after = int(s.skip_after)
         self.draft_s: dict[int, float] = {}  # batch size -> EMA of the draft stage
         self.plain_run = 0  # steps in a row that verified no draft
-        self.paused = 0  # steps since drafting paused
+        self.paused = 0  # steps since the last probe while drafting pauses
+        self.every = self.skip_after  # steps from one probe to the next
         self.warm = False  # a step has been taken
         self.proposed = False  # this step ran the drafter (its draft stage is a measurement of d)
         self.paid = False  # this step's draft, draft stage included, beat a plain step without one
@@ -137,12 +151,14 @@ class CostPolicy(Policy):
             return True
         if self.skip_after and self.plain_run >= self.skip_after:
             self.paused += 1
-            return self.paused % self.probe_every(len(limits)) != 0
+            if self.paused < self.every:
+                return True
+            self.paused = 0  # a probe
         return False
 
-    def probe_every(self, B: int) -> int:
-        """Steps from one probe to the next while drafting pauses: skip_after, or as many as keep the probes'
-        draft stages within PROBE of the time the paused steps take."""
+    def widest_gap(self, B: int) -> int:
+        """The most steps between probes: where the probes' draft stages cost PROBE of the paused steps' time
+        (skip_after at least)."""
         d = self.draft_s.get(B)
         if not d or not self.curve.row(B):
             return self.skip_after
@@ -179,10 +195,10 @@ class CostPolicy(Policy):
         w = worth(self.draining) if self.draining is not None and len(self.draining) == B else np.full(B, 1.0 / B)
         gain = B * np.concatenate([[0.0], np.cumsum(w @ tail)])[:most]  # E(n) for n = 1..most
         widths = np.arange(1, most + 1)
-        cost = self.curve(B, widths)
+        cost = self.curve.laid_out(B, widths, self.N)  # (padded where a wider width is cheaper: pad_to)
         rate = (B + gain) / (cost + self.draft_s.get(B, 0.0))
         n = int(widths[np.argmax(rate)])
-        self.paid = bool(rate.max() > B / cost[0])  # (cost[0]: a plain step, and no draft stage at all)
+        self.paid = bool(rate.max() > B / cost[0])  # against a plain step, with no draft stage at all
         return n if self.curve.fixed else min(n, 2 * max(row))  # explore at most twice the widest measured
 
     def pad_to(self, B: int, n: int) -> int:
@@ -197,9 +213,11 @@ class CostPolicy(Policy):
             old = self.draft_s.get(B)
             self.draft_s[B] = draft_s if old is None else (1 - EMA) * old + EMA * draft_s
         if drafted and self.paid:
-            self.plain_run, self.paused = 0, 0
-        else:
-            self.plain_run += 1
+            self.plain_run, self.paused, self.every = 0, 0, self.skip_after
+            return
+        if self.proposed and self.skip_after and self.plain_run >= self.skip_after:  # a probe found nothing
+            self.every = min(2 * self.every, max(self.every, self.widest_gap(B)))
+        self.plain_run += 1
 
     def cost_curve(self) -> Optional[dict]:
         return {int(b): {int(n): round(s * 1000, 3) for n, s in sorted(row.items())}
