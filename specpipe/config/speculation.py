@@ -83,8 +83,8 @@ class AdaptiveSpeculationConf(SpeculationConf):
 @dataclass
 class CostSpeculationConf(SpeculationConf):
     _target_: str = "specpipe.speculation.cost.CostPolicy"
-    # steps in a row that verified no draft before drafting itself pauses (0: never): then only every
-    # skip_after-th step drafts, until a draft is worth verifying again
+    # steps in a row without a draft worth making before drafting itself pauses (0: never); while paused a
+    # probe drafts every skip_after-th step, rarer after failed probes, until a draft pays again
     skip_after: int = 4
     # a fixed cost curve instead of a measured one: {batch size: {verify width: ms per step}} (tests, replays)
     cost_ms: Optional[Any] = None

@@ -71,6 +71,21 @@ def run_steady(monkeypatch, in_step: list, *overrides, mode=None) -> int:
     return steps[0]
 
 
+def count_reads(monkeypatch) -> tuple[Counter, list, DataSizedOps]:
+    """(explicit device->host reads by method name, counted while in_step[0] is True; in_step; the dispatcher
+    mode that counts ops sized by the data)."""
+    counts, in_step = Counter(), [False]
+    for name in READS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **k):
+            if in_step[0]:
+                counts[_name] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    return counts, in_step, DataSizedOps()
+
+
 @pytest.mark.parametrize("overrides", [
     ["draft.topk=4", "draft.num_steps=3"],
     ["draft.topk=1", "draft.num_steps=4", "allocator=paged", "allocator.page_size=16"],
@@ -89,15 +104,7 @@ def run_steady(monkeypatch, in_step: list, *overrides, mode=None) -> int:
      "workload.num_prompts=3"],
 ])
 def test_one_host_read_per_step(monkeypatch, overrides):
-    counts, in_step, sized = Counter(), [False], DataSizedOps()
-    for name in READS:
-        orig = getattr(torch.Tensor, name)
-
-        def wrapped(self, *a, _orig=orig, _name=name, **k):
-            if in_step[0]:
-                counts[_name] += 1
-            return _orig(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    counts, in_step, sized = count_reads(monkeypatch)
     steps = run_steady(monkeypatch, in_step, *overrides, mode=sized)
     measured = steps - 2
     assert measured > 5
@@ -110,15 +117,7 @@ def test_one_host_read_per_step(monkeypatch, overrides):
 def test_a_shaping_policy_adds_only_the_trees_host_view(monkeypatch, draft):
     """speculation=cost (the default) reads each drafted tree's shape to choose what to verify: host arrays on CPU,
     device reads on an accelerator. Still one commit read per step, and no op sized by the data."""
-    counts, in_step, sized = Counter(), [False], DataSizedOps()
-    for name in READS:
-        orig = getattr(torch.Tensor, name)
-
-        def wrapped(self, *a, _orig=orig, _name=name, **k):
-            if in_step[0]:
-                counts[_name] += 1
-            return _orig(self, *a, **k)
-        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    counts, in_step, sized = count_reads(monkeypatch)
     steps = run_steady(monkeypatch, in_step, f"draft={draft}", "speculation=cost",
                        "speculation.cost_ms={2: {1: 1, 8: 1}}", mode=sized)  # verifying is free: every tree drafted
     measured = steps - 2

@@ -20,7 +20,8 @@ def decode(pair, tmp_path, name, lines, *overrides):
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     cfg = compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
-                  "workload.max_new_tokens=16", "workload.batch_size=4", *overrides)
+                  "workload.max_new_tokens=16", "workload.batch_size=4",
+                  "speculation=static", *overrides)  # (a sampled chain's tokens follow the widths: not timings)
     out = run(cfg, quiet=True, pair=pair)
     assert out["metrics"]["num_errors"] == 0
     return [r.output_ids for r in out["requests"]]

@@ -110,7 +110,7 @@ def test_the_penalized_width_covers_every_context(tmp_path, drafter, monkeypatch
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in random_prompts(5, [3, 90, 7, 40, 12, 60])))
     out = run(compose("model=random_tiny", "device.dtype=float64", f"workload.prompts_file={path}",
                       "workload.max_new_tokens=24", "workload.batch_size=4", "sampling.repetition_penalty=1.3",
-                      "allocator.num_slots=170", *drafter), quiet=True)
+                      "allocator.num_slots=170", "speculation=static", *drafter), quiet=True)  # (whole trees)
     assert out["metrics"]["num_errors"] == 0 and out["metrics"]["retractions"] > 0
     assert seen and all(w is not None and w >= n for w, n in seen)
     assert min(w for w, _ in seen) < max(w for w, _ in seen)  # the width follows the batch
