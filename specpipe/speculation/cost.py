@@ -22,13 +22,14 @@ that paid on the shipped pair. Timing noise only ever slows a step, so a point's
 minimum; later ones move an average (contexts grow). A fixed curve may be given instead: speculation.cost_ms.
 
 A draft already made is verified at whatever width pays from there, but drafting itself must pay too: a step
-whose best rate, draft stage included, is under a plain step's without one (B / c(B, 1)) counts as a step without a
-draft. After skip_after such steps in a row, drafting pauses (its cost saved), and a probe drafts again every
-skip_after-th step. Each probe that finds nothing worth making doubles the gap to the next, up to the gap at which
-probes cost PROBE of the paused steps' time; a draft that pays resumes drafting. A cheap drafter keeps probing often
-(drafts come in bursts: a repeated line); a dear one stops paying for probes that fail. (A weak EAGLE head on SmolLM2
-drafted every step for 0.3 accepted tokens at 22 ms, over a third of a 58 ms step: 0.82x plain. Its failed probes
-now back off to every 19th step; an n-gram drafter's 1 ms stays at every 4th.)
+whose best rate, draft stage included, is under a plain step's without one (B over a plain step's cost, laid out at
+its cheapest width) counts as a step without a draft. After skip_after such steps in a row, drafting pauses (its
+cost saved), and a probe drafts again every skip_after-th step. Each probe that finds nothing worth making doubles
+the gap to the next, up to the gap at which probes cost PROBE of the paused steps' time; a draft that pays resumes
+drafting. A cheap drafter keeps probing often (drafts come in bursts: a repeated line); a dear one stops paying for
+probes that fail. (A weak EAGLE head on SmolLM2 drafted every step for 0.3 accepted tokens at 22 ms, over a third of
+a 58 ms step: 0.82x plain. Its failed probes now back off to every 19th step; an n-gram drafter's 1 ms stays at
+every 4th.)
 
 A step is laid out wider than its nodes need (padding nodes, never accepted) when a wider measured width costs less:
 on CPU, oneDNN's packed GEMMs run one row slower than four (SmolLM2's lm_head: 6.9 ms at one row, 5.6 ms at four),
@@ -162,7 +163,7 @@ class CostPolicy(Policy):
         d = self.draft_s.get(B)
         if not d or not self.curve.row(B):
             return self.skip_after
-        plain = float(self.curve(B, np.asarray([1]))[0])
+        plain = float(self.curve.laid_out(B, np.asarray([1]), self.N)[0])
         return int(min(MOST_PAUSED, max(self.skip_after, np.ceil(d / (PROBE * plain)))))
 
     def skipped_step(self) -> None:
