@@ -14,11 +14,12 @@ tokens left over its tokens per step so far, `worth`), and E(n) is B times that 
 request level it is the plain sum again.
 
 The curve starts unmeasured and is explored from the cheap end: a plain step first, then never wider than twice the
-widest width measured so far (1, 2, 4, 8, ...). Past the widest measured width the curve is taken as flat (an
-optimistic guess: a width is tried when it would pay at that cost, and once measured it is known). Exploring from
-the full width instead cost a batch of 8 on a real model as much as 3 plain steps, for a width it then never chose;
-extrapolating the first segment's slope (one row to two is a jump on CPU: GEMV to GEMM) ruled out the full trees
-that paid on the shipped pair. Timing noise only ever slows a step, so a point's first SEEN measurements keep their
+widest width measured so far (1, 2, 4, 8, ...). Past the widest measured width the curve follows its last segment's
+slope, or is taken as flat while that segment starts at one row (an optimistic guess: a width is tried when it would
+pay at that cost, and once measured it is known). Exploring from the full width instead cost a batch of 8 on a real
+model as much as 3 plain steps, for a width it then never chose; extrapolating the first segment's slope (one row to
+two is a jump on CPU: GEMV to GEMM) ruled out the full trees that paid on the shipped pair; a flat guess past 8 had
+the same batch try 16 tokens a request (426 ms, six plain steps) where 4 to 8 had already risen 23 ms a token. Timing noise only ever slows a step, so a point's first SEEN measurements keep their
 minimum; later ones move an average (contexts grow). A fixed curve may be given instead: speculation.cost_ms.
 
 A draft already made is verified at whatever width pays from there, but drafting itself must pay too: a step
@@ -122,8 +123,10 @@ class CostCurve:
         row = self.row(B)
         ns = np.asarray(sorted(row), dtype=np.float64)
         cs = np.asarray([row[n] for n in sorted(row)])
-        out = np.interp(widths, ns, cs)  # (flat past the last point: a learned curve's optimistic guess)
-        if self.fixed and len(ns) > 1:  # a given curve: past its last point, the last segment's slope
+        out = np.interp(widths, ns, cs)
+        # past the last point, the last segment's slope (never falling); a learned curve whose last segment starts
+        # at one row is guessed flat there instead (one row to two is the GEMV-to-GEMM jump on CPU, not a slope)
+        if len(ns) > 1 and (self.fixed or ns[-2] >= 2):
             slope = max(0.0, (cs[-1] - cs[-2]) / (ns[-1] - ns[-2]))
             out = np.where(widths > ns[-1], cs[-1] + slope * (widths - ns[-1]), out)
         return out
