@@ -121,7 +121,7 @@ def build_pipeline(cfg: DictConfig, device, pair, allocator, reqs: list[Request]
         pipe = PlainPipeline(pair.target, allocator, device, max_requests, max_context, eos, metrics, sampling, wrap)
     else:
         S, N = (tree - 1, tree) if jump else (d.num_steps, d.num_draft_tokens)
-        policy = get_class(cfg.speculation._target_).build(cfg, N, S)
+        policy = get_class(cfg.speculation._target_).build(cfg, N, S, pair.target)
         pipe = SpecPipeline(pair.target, proposer, allocator, device, max_requests, max_context, eos, metrics,
                             S, N, wrap, sampling, policy)
     if constrained:

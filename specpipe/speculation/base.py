@@ -37,7 +37,9 @@ class Policy:
         self.verified: Optional[HostTree] = None  # the host view of the tree the step verifies (None: not read)
 
     @classmethod
-    def build(cls, cfg, num_draft_tokens: int, num_steps: int) -> "Policy":
+    def build(cls, cfg, num_draft_tokens: int, num_steps: int, target=None) -> "Policy":
+        """The policy `cfg.speculation` names; `target`: the loaded target model (`cost` keeps what it measured
+        on it for later runs)."""
         return cls(cfg.speculation, num_draft_tokens, num_steps)
 
     @property

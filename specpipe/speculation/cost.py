@@ -38,9 +38,11 @@ so a batch of one verified 5 tokens in 48 ms and 1 in 53 ms.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from specpipe.speculation.base import Policy
 
@@ -132,7 +134,23 @@ class CostCurve:
         return out
 
 
+# target model -> {the settings a step's cost depends on: (curve, draft stage seconds per batch size)}
+LEARNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+COST_GROUPS = ("device", "compile", "allocator", "draft", "sampling")  # the config groups that key it
+
+
 class CostPolicy(Policy):
+    @classmethod
+    def build(cls, cfg, num_draft_tokens: int, num_steps: int, target=None) -> "CostPolicy":
+        """A run with the same loaded target and the same settings (sweeps, bench rows, the Python API's calls)
+        goes on from the curve the earlier runs measured: what a step costs is a property of the model, the
+        device and these settings, not of one run's prompts (acceptance, which is, starts afresh)."""
+        pol = cls(cfg.speculation, num_draft_tokens, num_steps)
+        if target is not None and not pol.curve.fixed:
+            key = OmegaConf.to_yaml({g: cfg[g] for g in COST_GROUPS if g in cfg}, resolve=True)
+            pol.curve, pol.draft_s = LEARNED.setdefault(target, {}).setdefault(key, (pol.curve, pol.draft_s))
+        return pol
+
     def __init__(self, s, num_draft_tokens: int, num_steps: int):
         super().__init__(s, num_draft_tokens, num_steps)
         self.curve = CostCurve(s.get("cost_ms"))

@@ -232,3 +232,23 @@ def test_draining_batch_drafts_only_for_the_request_that_ends_last():
     assert pol.width(p, limits) == 1
     behind_with_drafts = pol.limits([req(20, 0), req(40, 30)], np.array([30, 50]), waiting=0)
     assert pol.width(p, behind_with_drafts) == 5
+
+
+def test_a_later_run_on_the_same_target_and_settings_goes_on_from_the_measured_curve():
+    """The cost of a step belongs to the model, the device and the settings: a second run with the same loaded
+    target starts from the first run's curve and draft stage; other settings, another target or a fixed curve
+    start afresh."""
+    from specpipe.config.compose import compose_config
+
+    target, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    cfg = compose_config(["draft=ngram", "speculation=cost"])
+    first = CostPolicy.build(cfg, 5, 4, target)
+    first.warm = True
+    first.learn_cost(2, 1, 0.010, 0.002, False)
+    again = CostPolicy.build(cfg, 5, 4, target)
+    assert again.curve.points == {2: {1: 0.010}} and again.curve is first.curve
+    assert CostPolicy.build(cfg, 5, 4, other).curve.points == {}
+    assert CostPolicy.build(compose_config(["draft=suffix", "speculation=cost"]), 5, 4, target).curve.points == {}
+    assert CostPolicy.build(compose_config(["draft=ngram", "device.num_threads=2"]), 5, 4, target).curve.points == {}
+    fixed = compose_config(["draft=ngram", "speculation=cost", "+speculation.cost_ms={2: {1: 5}}"])
+    assert CostPolicy.build(fixed, 5, 4, target).curve.points == {2: {1: 0.005}}
