@@ -19,8 +19,10 @@ slope, or is taken as flat while that segment starts at one row (an optimistic g
 pay at that cost, and once measured it is known). Exploring from the full width instead cost a batch of 8 on a real
 model as much as 3 plain steps, for a width it then never chose; extrapolating the first segment's slope (one row to
 two is a jump on CPU: GEMV to GEMM) ruled out the full trees that paid on the shipped pair; a flat guess past 8 had
-the same batch try 16 tokens a request (426 ms, six plain steps) where 4 to 8 had already risen 23 ms a token. Timing noise only ever slows a step, so a point's first SEEN measurements keep their
-minimum; later ones move an average (contexts grow). A fixed curve may be given instead: speculation.cost_ms.
+the same batch try 16 tokens a request (426 ms, six plain steps) where 4 to 8 had already risen 23 ms a token.
+Timing noise only ever slows a step, so a point's first SEEN measurements keep their minimum; later ones move an
+average (contexts grow). A fixed curve may be given instead: speculation.cost_ms. Later runs on the same loaded
+target and settings go on from the curve measured so far (`LEARNED`).
 
 A draft already made is verified at whatever width pays from there, but drafting itself must pay too: a step
 whose best rate, draft stage included, is under a plain step's without one (B over a plain step's cost, laid out at
