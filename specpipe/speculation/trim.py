@@ -26,18 +26,24 @@ class HostTree:
     depth: np.ndarray
     mask: np.ndarray
     rank: np.ndarray  # earlier siblings of each node
+    tokens: Optional[np.ndarray] = None  # the draft tokens, where they were read with the rest (`trim` lays them out)
 
     @classmethod
     def of(cls, tree: Tree) -> "HostTree":
-        parent = host(tree.parent)
-        return cls(parent, host(tree.depth), host(tree.mask), sibling_rank(parent))
+        """The tree's parent, depth, mask and tokens in one read (on an accelerator each read is a sync)."""
+        B, N = tree.parent.shape
+        flat = host(torch.cat([tree.parent.long(), tree.depth.long(), tree.tokens.long(),
+                               tree.mask.reshape(B, N * N).long()], 1))  # [B, 3N + N*N]
+        parent = flat[:, :N]
+        return cls(parent, flat[:, N:2 * N], flat[:, 3 * N:].reshape(B, N, N).astype(bool), sibling_rank(parent),
+                   flat[:, 2 * N:3 * N])
 
 
 def trim(tree: Tree, ht: HostTree, keep: np.ndarray, L_t: torch.Tensor, compact: bool, width: int = 0,
          draft_probs: Optional[torch.Tensor] = None, conf: Optional[np.ndarray] = None):
     """(the `Tree` of the kept nodes, its `HostTree`, draft_probs and conf in its node order). `width`: the least
     width to lay out (a compiled verify pads to its buckets)."""
-    tokens = host(tree.tokens)
+    tokens = ht.tokens if ht.tokens is not None else host(tree.tokens)
     B, N = tokens.shape
     ar = np.arange(N)
     keep = keep & ((ht.parent >= 0) | (ar == 0))

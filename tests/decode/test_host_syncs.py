@@ -115,15 +115,16 @@ def test_one_host_read_per_step(monkeypatch, overrides):
 
 @pytest.mark.parametrize("draft", ["ngram", "eagle"])
 def test_a_shaping_policy_adds_only_the_trees_host_view(monkeypatch, draft):
-    """speculation=cost (the default) reads each drafted tree's shape to choose what to verify: host arrays on CPU,
-    device reads on an accelerator. Still one commit read per step, and no op sized by the data."""
+    """speculation=cost (the default) reads each drafted tree's shape to choose what to verify, in one read (on an
+    accelerator, one more sync on a step that drafts). Still one commit read per step, and no op sized by the
+    data."""
     counts, in_step, sized = count_reads(monkeypatch)
     steps = run_steady(monkeypatch, in_step, f"draft={draft}", "speculation=cost",
                        "speculation.cost_ms={2: {1: 1, 8: 1}}", mode=sized)  # verifying is free: every tree drafted
     measured = steps - 2
     assert measured > 5
     assert counts["tolist"] == measured, counts
-    assert 0 < counts["numpy"] <= 8 * measured, counts  # parent, depth, mask and tokens of the drafted trees
+    assert 0 < counts["numpy"] <= measured, counts  # parent, depth, mask and tokens of a drafted tree: one read
     assert not sized.counts, sized.counts
 
 
