@@ -9,6 +9,7 @@ import torch
 
 from specpipe.config.schema import EagleDraftConf
 from specpipe.drafters.base import DraftSetup, Proposer, non_finite
+from specpipe.drafters.held_extend import HeldTokens
 from specpipe.errors import ConfigError
 from specpipe.models.attention_batch import extend_batch
 from specpipe.models.cache import no_head_message
@@ -29,9 +30,11 @@ class EagleProposer(Proposer):
         d = cfg.draft
         if pair.draft is None:  # (`models.cache.check_draft_model` says so before anything is built; a direct call too)
             raise ConfigError(no_head_message(pair, EagleDraftConf.label(d)))
-        return cls(pair.draft, d.topk, d.num_steps, d.num_draft_tokens, fused_topk=bool(cfg.compile.draft_topk.fused))
+        return cls(pair.draft, d.topk, d.num_steps, d.num_draft_tokens, fused_topk=bool(cfg.compile.draft_topk.fused),
+                   max_requests=setup.max_requests)
 
-    def __init__(self, head, topk: int, num_steps: int, num_draft_tokens: int, fused_topk: bool = False):
+    def __init__(self, head, topk: int, num_steps: int, num_draft_tokens: int, fused_topk: bool = False,
+                 max_requests: int = 0):
         self.head = head
         self.K, self.S, self.N = topk, num_steps, num_draft_tokens
         self.topk_stage = DraftTopK(topk, fused_topk)
@@ -45,6 +48,9 @@ class EagleProposer(Proposer):
         self.topk_p = self.topk_index = self.draft_hidden = None
         self.windowed = any(getattr(m, "window", None) is not None for m in head.modules())  # banded prefill
         self._decode_fn = None  # see _decode
+        self.max_requests = max_requests
+        self.held = None  # HeldTokens where the extend may wait for the next round that drafts (`plan`)
+        self.drafted = False  # propose ran since the last verify
 
     def join(self, pipe, reqs, pf, first) -> None:
         """Draft extend over the prompt: position p takes (token x_{p+1}, target hidden h_p); packed (no padding)
@@ -62,6 +68,8 @@ class EagleProposer(Proposer):
             p, idx, h = extend(ids_d.reshape(1, -1)[:, pf.flat], pf.packed_hidden, pf.packed, pf.ends)
         else:
             p, idx, h = extend(ids_d, pf.hidden, pf.batch, pf.last)
+        if self.held is not None:
+            self.held.joined(pf.rows, pipe.prep.seq_len[pf.rows])  # (the prefill committed them)
         if self.topk_p is None or self.topk_p.shape[0] == 0:
             self.topk_p, self.topk_index, self.draft_hidden = p, idx, h
         else:
@@ -101,6 +109,11 @@ class EagleProposer(Proposer):
         return why if asked else ""
 
     def plan(self, cfg, prep, allocator_name: str):
+        # the extend may wait over steps that draft nothing where it runs eagerly over full attention, in a pool that
+        # frees no slot mid-run (a window pool could hand a held position's slot on before the head writes it)
+        eager = "extend" not in getattr(self.draft_fwd, "wrapped", ())
+        if eager and not self.windowed and allocator_name in ("token", "paged") and self.max_requests:
+            self.held = HeldTokens(self.max_requests, self.S + 1)
         why = self.plan_rounds(prep)
         if not why:
             return None
@@ -109,6 +122,8 @@ class EagleProposer(Proposer):
                 "compile.draft_forward.decode and compile.draft_topk.* set how those calls run")
 
     def propose(self, pipe, rows_t, L, L_t):
+        self.catch_up(pipe)
+        self.drafted = True
         B, prep, kv = len(pipe.reqs), pipe.prep, self.head.kv
         sc = prep.draft_scratch(pipe.rows, rows_t, L, L_t, self.K, self.S - 1)
         if sc is None:
@@ -151,10 +166,41 @@ class EagleProposer(Proposer):
         H = vhidden.shape[-1]
         hid = vhidden.gather(1, accept_index.clamp(min=0)[:, :, None].expand(-1, -1, H))[u]  # [B', S+1, H]
         ids, lens, starts = commit[u], kept_t[u], L_t[u]
-        Lmax = int(pipe.prep.seq_len[pipe.rows].max())  # host lengths, already committed: no device read
-        batch = pipe.prep.decorate(extend_batch(pipe.prep.table, rows_t[u], starts, lens, self.S + 1, bucket(Lmax)))
+        live = pipe.rows[[not r.finished for r in pipe.reqs]]  # the rows of u, on the host
+        seq = pipe.prep.seq_len  # host lengths, already committed: no device read
+        held = self.held if self.held is not None and not pipe.fused_verify else None  # (a fused round extends)
+        drafted, self.drafted = self.drafted, False
+        if held is not None and (not drafted or held.held[pipe.rows].any()):
+            held.hold(live, rows_t[u], starts, ids, hid)  # a step that drafted nothing: the head waits
+            if drafted or held.full(live, seq[live]):
+                self.catch_up(pipe, live)
+            return
+        batch = pipe.prep.decorate(extend_batch(pipe.prep.table, rows_t[u], starts, lens, self.S + 1,
+                                                bucket(int(seq[pipe.rows].max()))))
         p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
         self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h
+        if held is not None:
+            held.extended(live, seq[live])
+
+    def catch_up(self, pipe, live=None) -> None:
+        """The head extends over every token held for the batch's rows (`live`: only those rows), in one call, so
+        its next start is the one a round drafts from."""
+        held, rows = self.held, pipe.rows
+        if held is None:
+            return
+        seq = pipe.prep.seq_len[rows]
+        b, n = held.pending(rows, seq, live)
+        if not len(b):
+            return
+        dev = pipe.dev
+        r_t, lens = torch.from_numpy(rows[b]).to(dev), torch.from_numpy(n).to(dev)
+        starts = torch.from_numpy(held.covered[rows[b]]).to(dev)
+        Q = int(n.max())
+        batch = pipe.prep.decorate(extend_batch(pipe.prep.table, r_t, starts, lens, Q, bucket(int(seq[b].max()))))
+        p, idx, h = self.draft_fwd.extend(held.ids[r_t, :Q], held.hidden[r_t, :Q], batch, lens - 1)
+        b_t = torch.from_numpy(b).to(dev)
+        self.topk_p[b_t], self.topk_index[b_t], self.draft_hidden[b_t] = p, idx, h
+        held.extended(rows[b], seq[b])
 
 
 def conditional_probs(score_list: list, parent: torch.Tensor, N: int) -> np.ndarray:
