@@ -86,6 +86,9 @@ class CostSpeculationConf(SpeculationConf):
     # steps in a row without a draft worth making before drafting itself pauses (0: never); while paused a
     # probe drafts every skip_after-th step, rarer after failed probes, until a draft pays again
     skip_after: int = 4
+    # a draft is verified only when it promises at least this share more tokens per second than a plain step (the
+    # best of noisy estimates is an optimistic one)
+    min_gain: float = 0.05
     # a fixed cost curve instead of a measured one: {batch size: {verify width: ms per step}} (tests, replays)
     cost_ms: Optional[Any] = None
 
@@ -94,6 +97,9 @@ class CostSpeculationConf(SpeculationConf):
         super().check(s, errors)
         if s.skip_after < 0:
             errors.append(f"speculation.skip_after={s.skip_after} must be >= 0 (0: never pause drafting)")
+        if not 0 <= s.min_gain < 1:
+            errors.append(f"speculation.min_gain={s.min_gain} must be in [0, 1) (0.05: a draft must promise 5 % "
+                          "more tokens per second than a plain step)")
         if s.cost_ms is not None:
             try:
                 bad = [ms for row in s.cost_ms.values() for ms in row.values() if not float(ms) > 0]

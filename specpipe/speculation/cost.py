@@ -24,15 +24,16 @@ Timing noise only ever slows a step, so a point's first SEEN measurements keep t
 average (contexts grow). A fixed curve may be given instead: speculation.cost_ms. Later runs on the same loaded
 target and settings go on from the curve measured so far (`LEARNED`).
 
-A draft already made is verified at whatever width pays from there, but drafting itself must pay too: a step
-whose best rate, draft stage included, is under a plain step's without one (B over a plain step's cost, laid out at
-its cheapest width) counts as a step without a draft. After skip_after such steps in a row, drafting pauses (its
-cost saved), and a probe drafts again every skip_after-th step. Each probe that finds nothing worth making doubles
-the gap to the next, up to the gap at which probes cost PROBE of the paused steps' time; a draft that pays resumes
-drafting. A cheap drafter keeps probing often (drafts come in bursts: a repeated line); a dear one stops paying for
-probes that fail. (A weak EAGLE head on SmolLM2 drafted every step for 0.3 accepted tokens at 22 ms, over a third of
-a 58 ms step: 0.82x plain. Its failed probes now back off to every 19th step; an n-gram drafter's 1 ms stays at
-every 4th.)
+A width past the plain step must promise min_gain more tokens per second than it (the argmax of noisy estimates is
+biased up: choosing among them overrates the one chosen). A draft already made is verified at whatever width pays
+from there, but drafting itself must pay too: a step whose best rate, draft stage included, is under a plain step's
+without one (B over a plain step's cost, laid out at its cheapest width) counts as a step without a draft. After
+skip_after such steps in a row, drafting pauses (its cost saved), and a probe drafts again every skip_after-th step.
+Each probe that finds nothing worth making doubles the gap to the next, up to the gap at which probes cost PROBE of
+the paused steps' time; a draft that pays resumes drafting. A cheap drafter keeps probing often (drafts come in
+bursts: a repeated line); a dear one stops paying for probes that fail. (A weak EAGLE head on SmolLM2 drafted every
+step for 0.3 accepted tokens at 22 ms, over a third of a 58 ms step: 0.82x plain. Its failed probes now back off to
+every 19th step; an n-gram drafter's 1 ms stays at every 4th.)
 
 A step is laid out wider than its nodes need (padding nodes, never accepted) when a wider measured width costs less:
 on CPU, oneDNN's packed GEMMs run one row slower than four (SmolLM2's lm_head: 6.9 ms at one row, 5.6 ms at four),
@@ -157,6 +158,7 @@ class CostPolicy(Policy):
         super().__init__(s, num_draft_tokens, num_steps)
         self.curve = CostCurve(s.get("cost_ms"))
         self.skip_after = int(s.skip_after)
+        self.min_gain = float(s.get("min_gain", 0.0))
         self.draft_s: dict[int, float] = {}  # batch size -> EMA of the draft stage
         self.plain_run = 0  # steps in a row that verified no draft
         self.paused = 0  # steps since the last probe while drafting pauses
@@ -221,6 +223,7 @@ class CostPolicy(Policy):
         widths = np.arange(1, most + 1)
         cost = self.curve.laid_out(B, widths, self.N)  # (padded where a wider width is cheaper: pad_to)
         rate = (B + gain) / (cost + self.draft_s.get(B, 0.0))
+        rate[1:] /= 1 + self.min_gain  # (a draft must promise min_gain more than a plain step to be verified)
         n = int(widths[np.argmax(rate)])
         self.paid = bool(rate.max() > B / cost[0])  # against a plain step, with no draft stage at all
         return n if self.curve.fixed else min(n, 2 * max(row))  # explore at most twice the widest measured
