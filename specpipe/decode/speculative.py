@@ -168,7 +168,8 @@ class SpecPipeline(Pipeline):
             with m.stage("grammar"):
                 tree, draft_probs, conf = self.constrain(tree, draft_probs, conf, limits, L_t)
         self.policy.verify_begins()
-        draft_s = self.policy.t_verify - t_draft
+        draft_s = self.policy.t_verify - t_draft - self.proposer.untimed_s
+        self.proposer.untimed_s = 0.0
         N = tree.tokens.shape[1]  # the verify width this step
         fused = self.fused_verify and self.node_allowed is None  # (grammar masks apply between forward and accept)
         with m.stage("prepare_decode"):

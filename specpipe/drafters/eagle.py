@@ -2,6 +2,7 @@
 which read several of the target's layers: `feature_layers`)."""
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import numpy as np
@@ -122,7 +123,9 @@ class EagleProposer(Proposer):
                 "compile.draft_forward.decode and compile.draft_topk.* set how those calls run")
 
     def propose(self, pipe, rows_t, L, L_t):
+        t = time.perf_counter()
         self.catch_up(pipe)
+        self.untimed_s = time.perf_counter() - t
         self.drafted = True
         B, prep, kv = len(pipe.reqs), pipe.prep, self.head.kv
         sc = prep.draft_scratch(pipe.rows, rows_t, L, L_t, self.K, self.S - 1)

@@ -70,3 +70,26 @@ def test_a_full_buffer_catches_up_before_it_overflows():
     b, n = held.pending(rows, np.array([L]))
     assert b.tolist() == [0] and n.tolist() == [HELD_STEPS + 1]
     assert held.ids[1, :HELD_STEPS + 1].tolist() == list(range(HELD_STEPS + 1))  # each step's token at its position
+
+
+def test_catching_up_is_not_counted_as_the_draft_stage(monkeypatch):
+    """A probe's catch-up is the paused steps' extend, not what drafting costs: counted in, it would make every
+    probe look dear and keep drafting paused for longer."""
+    import time
+
+    from specpipe.models.random_tiny import build_random_tiny
+    from specpipe.speculation.cost import LEARNED
+
+    real = eagle.EagleProposer.catch_up
+
+    def slow(self, pipe, live=None):
+        if self.held is not None and self.held.held[pipe.rows].any():
+            time.sleep(0.05)  # a catch-up far dearer than any draft stage of the tiny head
+        return real(self, pipe, live)
+    monkeypatch.setattr(eagle.EagleProposer, "catch_up", slow)
+    pair = build_random_tiny(seed=0)
+    out = run(compose(*BASE, "speculation=cost", "speculation.skip_after=2", "workload.max_new_tokens=40"),
+              quiet=True, pair=pair)  # (a measured curve: a fixed one is not kept in LEARNED)
+    assert out["metrics"]["speculation"]["steps_without_draft"] > 10
+    (_, draft_s), = LEARNED[pair.target].values()
+    assert draft_s and max(draft_s.values()) < 0.02, draft_s
