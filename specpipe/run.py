@@ -21,6 +21,7 @@ from specpipe.allocators.base import allocator_class, build_allocator
 from specpipe.config.build import build
 from specpipe.config.compose import default_options
 from specpipe.config.schema import PROMPT_SET_NAMES, SAMPLING_RULES, draft_schema
+from specpipe.config.speculation import speculation_schema
 from specpipe.config.validate import run_stop_strings, validate
 from specpipe.decode.metrics import Metrics, recompile_count, recompile_limit_hits
 from specpipe.decode.plain import PlainPipeline
@@ -252,6 +253,18 @@ def open_partial(job: Job, out_dir: Optional[str]) -> Optional[PartialCompletion
     return partial
 
 
+def decode_rows(cfg, batch: int) -> tuple[int, ...]:
+    """The row counts the decode loop's target forwards run, which the weight layout is timed on: one row, a plain
+    step's `batch` and a full verify's `batch` x num_draft_tokens. A policy that trims trees (every one but `static`)
+    runs plain steps too, and on a real model with ordinary prompts mostly those: timed only at the full width, the
+    layout chosen made SmolLM2's 4-row steps 16 % slower than draft=none's."""
+    d = cfg.draft
+    if not draft_schema(d).speculates:
+        return (1, batch)
+    full = batch * d.num_draft_tokens
+    return (1, batch, full) if speculation_schema(cfg.get("speculation")).trims else (1, full)
+
+
 def decode(job: Job, allocator, out_dir: Optional[str], quiet: bool, on_step, keep: Optional[dict]):
     """Build the pipeline and decode every request; (pipe, the decode loop's summary, recompile limit hits, the
     weight layout). Whatever fails from the timer's hooks on (Ctrl-C included) leaves the shared models' hooks
@@ -261,7 +274,7 @@ def decode(job: Job, allocator, out_dir: Optional[str], quiet: bool, on_step, ke
     batch = running_batch(cfg, reqs)
     models = [job.pair.target, *job.drafting]
     fuse_projections(models)  # q|k|v and gate|up as one GEMM each (once per pair; bitwise the same outputs)
-    layout = device.lay_out_weights(models, (1, batch * (d.num_draft_tokens if spec else 1)))  # a verify's rows
+    layout = device.lay_out_weights(models, decode_rows(cfg, batch))
     metrics = Metrics(d.num_steps if spec else 1, d.topk if spec else 1, d.num_draft_tokens if spec else 2)
     partial = None
     try:

@@ -170,6 +170,18 @@ def test_batch_size_far_above_the_prompt_count_sizes_nothing_for_it(tmp_path, pa
     assert [r.output_ids for r in res["requests"]] == [r.output_ids for r in ref["requests"]]
 
 
+def test_weight_layout_is_timed_on_the_plain_step_too_where_the_policy_trims_trees():
+    """A trimming policy takes plain `batch`-row steps (on ordinary prompts, mostly those); static verifies the full
+    tree every step."""
+    from specpipe.run import decode_rows
+
+    assert decode_rows(compose("draft=none", "workload.batch_size=4"), 4) == (1, 4)
+    trims = compose("draft=ngram", "speculation=cost", "draft.num_draft_tokens=5")
+    assert decode_rows(trims, 4) == (1, 4, 20)
+    assert decode_rows(compose("draft=ngram", "speculation=adaptive", "draft.num_draft_tokens=5"), 4) == (1, 4, 20)
+    assert decode_rows(compose("draft=ngram", "speculation=static", "draft.num_draft_tokens=5"), 4) == (1, 20)
+
+
 @pytest.mark.parametrize("draft", ["draft=eagle", "draft=none", "draft=ngram"])
 def test_a_second_eos_id_ends_requests_too(tmp_path, pair, monkeypatch, draft):
     # instruct checkpoints list several EOS ids (config.json / generation_config.json); any of them stops

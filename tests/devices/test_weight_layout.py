@@ -79,6 +79,22 @@ def test_auto_keeps_the_faster_layout_per_shape_and_times_each_once():
     assert len(timer.calls) == n
 
 
+def test_auto_weighs_each_row_count_by_its_slowdown_not_its_seconds():
+    """The widest verify's seconds dwarf a plain step's: summed in seconds, it alone would choose the layout, and the
+    plain steps a trimming policy mostly takes would run in a layout 2x slower for them."""
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(8, 24, bias=False))
+    speed = {(16, 1): {"row": 1.0, "column": 2.0}, (16, 64): {"row": 10.0, "column": 8.0},  # s: row 11, column 10
+             (24, 1): {"row": 1.0, "column": 1.1}, (24, 64): {"row": 10.0, "column": 8.0}}
+
+    def timer(weights, rows):
+        return speed[weights[0].shape[0], rows]["column" if is_column_major(weights[0]) else "row"]
+    report = lay_out_weights([model], "auto", rows=(1, 64), timer=timer)
+    assert report["16x8 float32"]["layout"] == "row"  # slowdown: row 1 + 1.25, column 2 + 1
+    assert report["16x8 float32"]["us"] == {"row": 11e6, "column": 10e6}
+    assert report["24x8 float32"]["layout"] == "column"  # slowdown: row 1 + 1.25, column 1.1 + 1
+    assert model[0].weight.is_contiguous() and is_column_major(model[1].weight)
+
+
 def test_devices_resolve_auto():
     model = nn.Sequential(nn.Linear(64, 256, bias=False))
     assert not Device.times_weight_layout and CpuDevice.times_weight_layout
@@ -130,7 +146,7 @@ def test_auto_keeps_the_layout_a_compiled_forward_froze_though_later_row_counts_
 
     def timer(weights, rows):  # column wins for few rows, row wins for many
         calls.append(rows)
-        return (1.0 if rows < 8 else 3.0) if is_column_major(weights[0]) else 2.0
+        return (1.0 if rows < 8 else 6.0) if is_column_major(weights[0]) else 2.0
     first = lay_out_weights([model], "auto", rows=(1, 4), timer=timer)
     assert first["16x8 float32"]["layout"] == "column" and "kept" not in first["16x8 float32"]
     eager = lay_out_weights([model], "auto", rows=(1, 64), timer=timer)  # eager models: re-timed for these rows
