@@ -175,11 +175,10 @@ def test_weight_layout_is_timed_on_the_plain_step_too_where_the_policy_trims_tre
     tree every step."""
     from specpipe.run import decode_rows
 
-    assert decode_rows(compose("draft=none", "workload.batch_size=4"), 4) == (1, 4)
-    trims = compose("draft=ngram", "speculation=cost", "draft.num_draft_tokens=5")
-    assert decode_rows(trims, 4) == (1, 4, 20)
-    assert decode_rows(compose("draft=ngram", "speculation=adaptive", "draft.num_draft_tokens=5"), 4) == (1, 4, 20)
-    assert decode_rows(compose("draft=ngram", "speculation=static", "draft.num_draft_tokens=5"), 4) == (1, 20)
+    assert decode_rows(compose("draft=none"), 4) == (4,)
+    assert decode_rows(compose("draft=ngram", "speculation=cost", "draft.num_draft_tokens=5"), 4) == (4, 20)
+    assert decode_rows(compose("draft=ngram", "speculation=adaptive", "draft.num_draft_tokens=5"), 4) == (4, 20)
+    assert decode_rows(compose("draft=ngram", "speculation=static", "draft.num_draft_tokens=5"), 4) == (20,)
 
 
 @pytest.mark.parametrize("draft", ["draft=eagle", "draft=none", "draft=ngram"])
