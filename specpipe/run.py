@@ -254,15 +254,18 @@ def open_partial(job: Job, out_dir: Optional[str]) -> Optional[PartialCompletion
 
 
 def decode_rows(cfg, batch: int) -> tuple[int, ...]:
-    """The row counts the target's decode forwards run, which the weight layout is timed on: a plain step's `batch`,
-    a full verify's `batch` x num_draft_tokens, and both under a policy that trims trees (every one but `static`; on
-    a real model with ordinary prompts its steps are mostly plain). Timed at one row and the full width only, the
-    layout chosen ran SmolLM2's 4-row steps at 87 ms where the one chosen for 4 rows ran them at 71 ms."""
+    """The row counts the target's decode forwards run, which the weight layout is timed on: a plain step's `batch`
+    and a full verify's `batch` x num_draft_tokens; under a policy that trims trees (every one but `static`) also a
+    plain step and a middle width (its steps are mostly plain or narrow: on SmolLM2 with chat prompts, 95 % were
+    plain). Timed at one row and the full width only, the layout chosen ran SmolLM2's 4-row steps at 87 ms where
+    the one chosen for 4 rows ran them at 71 ms."""
     d = cfg.draft
     if not draft_schema(d).speculates:
         return (batch,)
-    full = batch * d.num_draft_tokens
-    return (batch, full) if speculation_schema(cfg.get("speculation")).trims else (full,)
+    N = int(d.num_draft_tokens)
+    if not speculation_schema(cfg.get("speculation")).trims:
+        return (batch * N,)
+    return tuple(sorted({batch, batch * round(N ** 0.5), batch * N}))
 
 
 def decode(job: Job, allocator, out_dir: Optional[str], quiet: bool, on_step, keep: Optional[dict]):

@@ -171,13 +171,13 @@ def test_batch_size_far_above_the_prompt_count_sizes_nothing_for_it(tmp_path, pa
 
 
 def test_weight_layout_is_timed_on_the_plain_step_too_where_the_policy_trims_trees():
-    """A trimming policy takes plain `batch`-row steps (on ordinary prompts, mostly those); static verifies the full
-    tree every step."""
+    """A trimming policy takes plain `batch`-row steps and narrow ones (on ordinary prompts, mostly those); static
+    verifies the full tree every step."""
     from specpipe.run import decode_rows
 
     assert decode_rows(compose("draft=none"), 4) == (4,)
-    assert decode_rows(compose("draft=ngram", "speculation=cost", "draft.num_draft_tokens=5"), 4) == (4, 20)
-    assert decode_rows(compose("draft=ngram", "speculation=adaptive", "draft.num_draft_tokens=5"), 4) == (4, 20)
+    assert decode_rows(compose("draft=ngram", "speculation=cost", "draft.num_draft_tokens=5"), 4) == (4, 8, 20)
+    assert decode_rows(compose("draft=ngram", "speculation=adaptive", "draft.num_draft_tokens=16"), 4) == (4, 16, 64)
     assert decode_rows(compose("draft=ngram", "speculation=static", "draft.num_draft_tokens=5"), 4) == (20,)
 
 
