@@ -17,7 +17,7 @@ from torch import Tensor
 from specpipe.decode.metrics import recompile_count
 from specpipe.decode.pipeline import Pipeline
 from specpipe.grammar.tree import apply
-from specpipe.stages.tree_layout import tree_from_parents
+from specpipe.stages.tree_layout import root_only_tree
 from specpipe.speculation.static import StaticPolicy
 from specpipe.speculation.trim import HostTree
 from specpipe.stages.draft_scratch import scratch_tokens_per_request
@@ -82,7 +82,7 @@ class SpecPipeline(Pipeline):
             self.proposer.bad = None
             # a plain step through the verify: the root, and padding nodes where the policy finds a wider step cheaper
             root = self.last_token[:, None].repeat(1, pol.layout_width(len(self.reqs), 1))  # [B, w]
-            return tree_from_parents(root, torch.full_like(root, -1), L_t, self.S), None, None
+            return root_only_tree(root, L_t), None, None
         self.proposer.node_conf = None
         tree, draft_probs = self.proposer.propose(self, rows_t, L, L_t)
         return pol.shape(tree, draft_probs, self.proposer.node_conf, limits, L_t)

@@ -1,9 +1,10 @@
 """tree_from_parents against a plain walk up the parent pointers, on random forests."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specpipe.stages.tree_layout import tree_from_parents
+from specpipe.stages.tree_layout import root_only_tree, tree_from_parents
 
 
 def walk(parent, max_depth):
@@ -38,3 +39,16 @@ def test_matches_a_walk(data, n, max_depth):
         p = t.parent[0, j].item()
         sibs = [i for i in range(j + 1, n) if p >= 0 and t.parent[0, i].item() == p]
         assert t.next_sibling[0, j].item() == (sibs[0] if sibs else -1)
+
+
+@pytest.mark.parametrize("B,N", [(1, 1), (4, 1), (3, 6)])
+def test_root_only_tree_is_the_tree_of_unlinked_nodes(B, N):
+    """A step that does not draft verifies roots (and padding) only: the shortcut must be exactly the general layout."""
+    g = torch.Generator().manual_seed(B * 10 + N)
+    tokens = torch.randint(0, 100, (B, N), generator=g)
+    seq = torch.randint(5, 100, (B,), generator=g)
+    want = tree_from_parents(tokens, torch.full_like(tokens, -1), seq, 8)
+    got = root_only_tree(tokens, seq)
+    for f in want.__dataclass_fields__:
+        a, b = getattr(want, f), getattr(got, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
