@@ -199,6 +199,10 @@ class Device:
     def reset_peak_memory(self) -> None:
         """A run begins: its peak figures start from here (sweep jobs share a process)."""
 
+    def bf16_autocast_problem(self) -> str:
+        """Why bf16 autocast would slow this device down ('' when its bf16 math is native)."""
+        return ""
+
     def model_clock(self) -> Any:
         """What times the model forwards (`decode.metrics.Metrics.attach_model_timer`): a host clock with the
         device synchronized around each forward; CUDA times them with events instead."""

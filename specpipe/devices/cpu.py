@@ -27,6 +27,16 @@ class CpuDevice(Device):
 
         return packing_available()
 
+    def bf16_autocast_problem(self) -> str:
+        """oneDNN runs bf16 GEMMs natively only with AVX512-BF16 or AMX. Elsewhere autocast emulates them: on a 2-core
+        AVX2 EPYC a 2048x256x704 linear took 106 ms in bf16 against 12 ms in float32."""
+        try:
+            native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            native = False
+        return "" if native else ("this CPU has no native bf16 matrix multiply (AVX512-BF16 or AMX), so bf16 "
+                                  "autocast would emulate it, several times slower than float32")
+
     def make_torch_device(self, index: int) -> torch.device:
         return torch.device("cpu")  # one CPU device; `index` only matters on accelerators
 

@@ -19,12 +19,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specpipe.config.build import build
 from specpipe.errors import ConfigError
 from specpipe.models.cache import model_dtype
 from specpipe.models.eagle3 import default_aux_layers
+from specpipe.notes import logger
 from specpipe.train.data import data_from_state, data_state, prepare_data
 from specpipe.train.evaluate import decode_metrics, heldout_metrics
 from specpipe.train.features import make_shards, token_counts
@@ -32,6 +33,7 @@ from specpipe.train.heads import draft_vocab, new_head, save_head, trainable
 from specpipe.train.loop import Bars, Checkpoint, fit
 
 REPORT = "train_report.json"
+log = logger(__name__)
 
 
 def identity(cfg: DictConfig) -> dict:
@@ -64,6 +66,11 @@ def aux_layers(cfg: DictConfig, target) -> list | None:
 def load_target(cfg: DictConfig):
     """(device, dtype, the model pair without a draft head)."""
     device = build(cfg.device, "device")
+    problem = device.bf16_autocast_problem() if cfg.train.autocast else ""
+    if problem:
+        log.info(f"specpipe.train: note: train.autocast=true runs in float32 here: {problem}")
+        with open_dict(cfg):
+            cfg.train.autocast = False  # (the report's config shows what ran)
     dtype = model_dtype(cfg)
     with torch.random.fork_rng(devices=[]):
         pair = build(cfg.model, "model", dtype=dtype, device=str(device.torch_device), draft_path=None)

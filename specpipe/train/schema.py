@@ -75,7 +75,7 @@ class LoopConf:
     lr_floor: float = 0.1  # final learning rate, as a share of lr (cosine decay)
     weight_decay: float = 0.0
     clip: float = 1.0  # gradient norm clip
-    autocast: bool = True  # bf16 autocast (CPU with avx512_bf16: about 2x faster), fp32 master weights
+    autocast: bool = True  # bf16 autocast, fp32 master weights (CPU: only with AVX512-BF16 or AMX, else float32)
     checkpoint_minutes: float = 5.0  # save a checkpoint (and the head) into out/checkpoint this often
     eval_share: float = 0.1  # share of train.minutes kept for the held-out evaluation at the end
 

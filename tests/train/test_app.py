@@ -156,3 +156,17 @@ def test_out_is_required_and_a_checkpoint_is_not_overwritten(tmp_path):
     (tmp_path / "h" / "checkpoint" / "state.pt").write_bytes(b"")
     p = train_cli(f"out={tmp_path / 'h'}")
     assert p.returncode == 2 and "resume=true" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("problem", ["", "no native bf16 here"])
+def test_autocast_runs_in_float32_where_the_device_would_emulate_bf16(monkeypatch, problem):
+    """On a CPU without native bf16 GEMMs, autocast made the features and each step ~8x slower: a run asked for it
+    trains in float32 there, and says so."""
+    from specpipe.devices.cpu import CpuDevice
+    from specpipe.train.__main__ import compose_train
+    from specpipe.train.app import load_target
+
+    monkeypatch.setattr(CpuDevice, "bf16_autocast_problem", lambda self: problem)
+    cfg = compose_train(["model=tiny", "out=unused", "train.autocast=true"])
+    load_target(cfg)
+    assert cfg.train.autocast is (not problem)
