@@ -70,7 +70,7 @@ class EagleProposer(Proposer):
         else:
             p, idx, h = extend(ids_d, pf.hidden, pf.batch, pf.last)
         if self.held is not None:
-            self.held.joined(pf.rows, pipe.prep.seq_len[pf.rows])  # (the prefill committed them)
+            self.held.caught_up(pf.rows, pipe.prep.seq_len[pf.rows])  # (the prefill committed them)
         if self.topk_p is None or self.topk_p.shape[0] == 0:
             self.topk_p, self.topk_index, self.draft_hidden = p, idx, h
         else:
@@ -183,7 +183,7 @@ class EagleProposer(Proposer):
         p, idx, h = self.draft_fwd.extend(ids, hid, batch, lens - 1)
         self.topk_p[u], self.topk_index[u], self.draft_hidden[u] = p, idx, h
         if held is not None:
-            held.extended(live, seq[live])
+            held.caught_up(live, seq[live])
 
     def catch_up(self, pipe, live=None) -> None:
         """The head extends over every token held for the batch's rows (`live`: only those rows), in one call, so
@@ -203,7 +203,7 @@ class EagleProposer(Proposer):
         p, idx, h = self.draft_fwd.extend(held.ids[r_t, :Q], held.hidden[r_t, :Q], batch, lens - 1)
         b_t = torch.from_numpy(b).to(dev)
         self.topk_p[b_t], self.topk_index[b_t], self.draft_hidden[b_t] = p, idx, h
-        held.extended(rows[b], seq[b])
+        held.caught_up(rows[b], seq[b])
 
 
 def conditional_probs(score_list: list, parent: torch.Tensor, N: int) -> np.ndarray:

@@ -28,14 +28,11 @@ class HeldTokens:
         self.held = np.zeros(max_requests, dtype=bool)  # per row: some committed tokens wait for the head
         self.ids: Optional[Tensor] = None  # [R, HELD_STEPS + width]
         self.hidden: Optional[Tensor] = None  # [R, HELD_STEPS + width, F] the target's features
+        self.step_cols: Optional[Tensor] = None  # [S+1] 0..S: one step's columns from its root's
 
-    def joined(self, rows: np.ndarray, lens: np.ndarray) -> None:
-        """A prompt's extend covered its positions 0..len-1 (`lens`: the committed lengths)."""
-        self.covered[rows] = lens
-        self.held[rows] = False
-
-    def extended(self, rows: np.ndarray, seq_len: np.ndarray) -> None:
-        """The head's extend covered every committed token of `rows`."""
+    def caught_up(self, rows: np.ndarray, seq_len: np.ndarray) -> None:
+        """The head's KV covers every committed position of `rows` (`seq_len`: their committed lengths), after a
+        prompt's extend or an extend over the held tokens."""
         self.covered[rows] = seq_len
         self.held[rows] = False
 
@@ -46,8 +43,9 @@ class HeldTokens:
             R, cols = len(self.covered), HELD_STEPS + self.width
             self.ids = torch.zeros(R, cols, dtype=ids.dtype, device=ids.device)
             self.hidden = torch.zeros(R, cols, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+            self.step_cols = torch.arange(self.width, device=ids.device)
         off = L_t - torch.from_numpy(self.covered[rows]).to(L_t.device)  # [B'] offset of the root's column
-        cols = off[:, None] + torch.arange(self.width, device=L_t.device)  # [B', S+1]
+        cols = off[:, None] + self.step_cols  # [B', S+1]
         self.ids[rows_t[:, None], cols] = ids
         self.hidden[rows_t[:, None], cols] = hidden
         self.held[rows] = True

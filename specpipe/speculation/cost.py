@@ -78,24 +78,26 @@ class CostCurve:
         row[n] = min(row.get(n, seconds), seconds) if seen < SEEN else (1 - EMA) * row[n] + EMA * seconds
         self.seen[B, n] = seen + 1
 
+    def sure(self, B: int, most: int) -> dict[int, float]:
+        """B's widths up to `most` measured SEEN times, and what each costs."""
+        return {w: c for w, c in self.points.get(B, {}).items() if w <= most and self.seen.get((B, w), 0) >= SEEN}
+
     def cheapest(self, B: int, n: int, most: int) -> int:
         """The measured width in [n, most] that costs least at B, when it undercuts n's own cost by PAD (else n)."""
-        row = self.points.get(B, {})
-        sure = [w for w in row if n <= w <= most and self.seen.get((B, w), 0) >= SEEN]
+        sure = {w: c for w, c in self.sure(B, most).items() if w >= n}
         if n not in sure:
             return n
-        w = min(sure, key=row.get)
-        return w if row[w] < (1 - PAD) * row[n] else n
+        w = min(sure, key=sure.get)
+        return w if sure[w] < (1 - PAD) * sure[n] else n
 
     def laid_out(self, B: int, widths: np.ndarray, most: int) -> np.ndarray:
         """c(B, n) for each width n as the step is laid out: at `cheapest`'s wider measured width where it pays."""
         cost = self(B, widths)
-        row = self.points.get(B, {})
-        sure = np.asarray([w for w in row if self.seen.get((B, w), 0) >= SEEN and w <= most], dtype=np.int64)
-        if not len(sure):
+        sure = self.sure(B, most)
+        if not sure:
             return cost
-        wide = np.where(sure[None, :] >= widths[:, None], np.asarray([row[w] for w in sure])[None, :], np.inf)
-        best = wide.min(1)
+        ws, cs = np.fromiter(sure, dtype=np.int64), np.fromiter(sure.values(), dtype=np.float64)
+        best = np.where(ws[None, :] >= widths[:, None], cs[None, :], np.inf).min(1)
         return np.where(best < (1 - PAD) * cost, best, cost)
 
     def known(self, B: int, n: Optional[int] = None) -> bool:

@@ -61,7 +61,7 @@ def test_every_round_that_drafts_extends_as_before(monkeypatch):
 def test_a_full_buffer_catches_up_before_it_overflows():
     held = HeldTokens(2, 5)
     rows = np.array([1])
-    held.joined(rows, np.array([10]))
+    held.caught_up(rows, np.array([10]))
     L = 10
     for step in range(HELD_STEPS + 1):
         held.hold(rows, torch.tensor([1]), torch.tensor([L]), torch.full((1, 5), step), torch.zeros(1, 5, 3))
