@@ -7,7 +7,8 @@ direction that depends on the shape, the row count and the machine: on the 2-cor
 written on (MKL, fp32, rows = 1) a 704x256 gate/up projection ran 84 µs row-major and 50 µs
 column-major, while the 256x704 down projection ran 54 µs row-major and 82 µs column-major. So
 `auto` times both layouts per distinct (shape, dtype) on the row counts the decode loop will use
-and keeps the faster one (`row` unless `column` wins by more than MARGIN); `row` and `column` force
+(`run.decode_rows`) and keeps the one with the least slowdown summed over them (`choose`; `row` unless
+another's is MARGIN less); `row` and `column` force
 one layout for every weight (reproducible numerics across runs; `auto` may pick differently on
 a noisy machine, and the two layouts round differently in the last bits).
 
