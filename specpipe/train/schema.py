@@ -110,6 +110,8 @@ def register_train_schemas() -> None:
 
     register_schemas()
     cs = ConfigStore.instance()
+    if "base_train.yaml" in cs.repo:  # once per process, as register_schemas
+        return
     cs.store(name="base_train", node=TrainConfig)
     cs.store(group="head", name="base_eagle3", node=Eagle3HeadConf)
     cs.store(group="head", name="base_eagle1", node=Eagle1HeadConf)

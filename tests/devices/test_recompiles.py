@@ -262,7 +262,7 @@ def test_a_compiled_target_forward_serves_sliding_window_layers(prompts_file, al
 
 @pytest.mark.parametrize("overrides", [
     ["draft=none", f"compile.verify.target_forward={AOT_FULL}", f"compile.prefill.target_forward={AOT_FULL}"],
-    ["draft=eagle", "draft.topk=1", "draft.num_steps=3", f"compile.draft_loop.steps={AOT_FULL}",
+    ["draft=eagle", "draft.topk=1", "draft.num_steps=2", f"compile.draft_loop.steps={AOT_FULL}",
      f"compile.verify.round={AOT_FULL}", f"compile.prefill.target_forward={AOT_FULL}"],
 ], ids=["plain", "eagle-round"])
 def test_a_compiled_model_forward_takes_the_models_floats_as_constants(overrides, prompts_file, monkeypatch):
