@@ -48,6 +48,7 @@ from specpipe.models.attention import refresh_fused_views
 from specpipe.config.schema import WEIGHT_LAYOUTS as LAYOUTS
 
 MARGIN = 0.05  # another layout must be this much faster to replace the default (row-major) layout
+PLAIN_SLACK = MARGIN  # the fewest rows timed (a trimming policy's plain step) run at most this much over their fastest
 COLD_BYTES = 32 << 20  # time on rotating copies this large: a model bigger than the cache streams its weights
 # pack an lm_head tied to the embedding, at the cost of a copy: on SmolLM2-135M (49152x576, fp32, 113 MB next to a
 # 540 MB model, 1 thread) it saved 4 ms of a 57 ms decode and 16 ms of a 5-token verify at batch 1
@@ -282,21 +283,28 @@ def choose(shape: tuple, rows: Sequence[int], timer: Callable, layouts: tuple) -
 
     Each row count weighs alike: a layout's slowdown at r rows is its time over r's fastest layout's. Summed in
     seconds instead, the widest verify decided alone, and the layout it chose ran the plain steps a trimming policy
-    mostly takes on ordinary prompts 20-25 % slower (SmolLM2, 4 rows: 87 ms against 71 with the 4-row choice)."""
+    mostly takes on ordinary prompts 20-25 % slower (SmolLM2, 4 rows: 87 ms against 71 with the 4-row choice).
+
+    And the fewest rows (`run.decode_rows`' plain step) keep a layout within PLAIN_SLACK of their fastest: a trimming
+    policy's floor is draft=none's step, whose layout is chosen on those rows alone, and on prompts where no draft
+    pays every step is plain. A wider verify gives up some speed only where drafts are being accepted."""
     t = dict.fromkeys(layouts, 0.0)
     slow = dict.fromkeys(layouts, 0.0)
-    for r in rows:
+    plain = None
+    for r in sorted(rows):
         memo = (shape[:3], r, timer, layouts)
         if memo not in _MEASURED:
             _MEASURED[memo] = measure(shape, r, timer, layouts)
         at_r = _MEASURED[memo]
         fastest = min(at_r.values())
+        plain = plain or {k: at_r[k] / fastest for k in layouts}
         t = {k: v + at_r[k] for k, v in t.items()}
         slow = {k: v + at_r[k] / fastest for k, v in slow.items()}
 
     def best(cands):
-        top = min(cands, key=slow.get)
-        return top if slow[top] < (1 - MARGIN) * slow["row"] else "row"
+        fair = [k for k in cands if plain[k] <= 1 + PLAIN_SLACK] or [min(cands, key=plain.get)]
+        top = min(fair, key=slow.get)
+        return top if "row" not in fair or slow[top] < (1 - MARGIN) * slow["row"] else "row"
     return best(layouts), best([k for k in layouts if k != "packed"]), t
 
 
