@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from typing import Optional
 
 import numpy as np
 
@@ -69,6 +70,9 @@ class Metrics:
         self.generated_tokens = 0
         self.first_token_s: list[float] = []
         self.step_s: list[float] = []
+        # steps that verified no draft, by batch size: a speculating run's floor, to hold against draft=none's steps
+        self.plain_step_s: dict[int, list[float]] = defaultdict(list)
+        self.step_plain: Optional[bool] = None  # the pipeline says, during each step, whether it verified no draft
         self.retractions = 0
         self._depth = [0, 0.0]  # timed forwards open, start of the outermost
         self._outer = 0  # > 0 inside a branch timed by model_branch: the hooks stand aside
@@ -206,6 +210,8 @@ class Metrics:
             "step_latency_ms_p50": pct(50),
             "step_latency_ms_p90": pct(90),
             "step_latency_ms_p99": pct(99),
+            "plain_steps": {b: len(s) for b, s in sorted(self.plain_step_s.items())},
+            "plain_step_ms_p50": {b: float(np.median(s) * 1000) for b, s in sorted(self.plain_step_s.items())},
             "retractions": self.retractions,
             "recompiles": recompiles,
         }

@@ -37,6 +37,7 @@ class PlainPipeline(Pipeline):
         if not self.reqs:
             return retracted
         B = len(self.reqs)
+        self.metrics.step_plain = True
         with self.metrics.stage("prepare_decode"):
             if not self.prep.reserve(self.rows, np.ones(B, dtype=np.int64)):
                 raise OutOfKVMemory("KV pool exhausted during decode")

@@ -65,10 +65,13 @@ def run_requests(pipe: Pipeline, requests: list[Request], batch_size: int, show_
                     waiting.extendleft(reversed(group[admitted:]))
                 if pipe.reqs:
                     pipe.waiting = len(waiting)
+                    running, pipe.metrics.step_plain = len(pipe.reqs), None
                     ts = time.perf_counter()
                     retracted = pipe.step()
                     waiting.extendleft(reversed(retracted))
                     pipe.metrics.step_s.append(time.perf_counter() - ts)
+                    if pipe.metrics.step_plain:
+                        pipe.metrics.plain_step_s[running].append(pipe.metrics.step_s[-1])
                 if on_step is not None:
                     on_step(pipe.reqs + pipe.finished_log)
                 if pipe.finished_log:

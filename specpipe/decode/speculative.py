@@ -220,6 +220,7 @@ class SpecPipeline(Pipeline):
                 self.extend_drafter(unfinished, commit, vhidden, accept_index, L_t, kept_t, rows_t)
         self.policy.observe(tree, conf, counts, np.asarray([h[S + 2: 2 * S + 2] for h in host]), L, draft_s,
                             compiled=recompile_count() != graphs)
+        m.step_plain = not self.policy.drafted
         self.drop_finished()
         m.num_verify_steps += 1
         return retracted

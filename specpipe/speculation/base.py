@@ -33,6 +33,8 @@ class Policy:
         self.by_context = np.zeros((len(CONTEXT_BINS), 2))  # per context bin: rounds, drafts accepted
         self.buckets: Optional[list] = None  # widths a compiled verify is laid out at (None: any width)
         self.skipped = 0  # steps that did not draft at all
+        self.skipping = False  # this step did not draft
+        self.drafted = False  # the step last observed verified a draft node of some request
         self.t_verify = 0.0  # when the step's verify work began (after drafting)
         self.verified: Optional[HostTree] = None  # the host view of the tree the step verifies (None: not read)
 
@@ -86,7 +88,7 @@ class Policy:
 
     def shape(self, tree, draft_probs, conf, limits: np.ndarray, L_t):
         """The tree this step verifies, its draft_probs and conf in the same node order (L_t [B]: root positions)."""
-        self.verified = None
+        self.verified, self.skipping = None, False
         if not self.compact and (limits >= self.N - 1).all():  # static, no limit in play: no host read at all
             return tree, draft_probs, conf
         ht = HostTree.of(tree)
@@ -131,6 +133,7 @@ class Policy:
         self.widths[width] += 1
         ht = self.verified
         drafted = (ht.parent >= 0).any(1) if ht is not None and width > 1 else np.zeros(B, dtype=bool)
+        self.drafted = bool(drafted.any()) if ht is not None or self.skipping else width > 1  # (unread: static's)
         if drafted.any():
             accepted = accepted_nodes(ht.mask, ht.depth, ht.rank, counts, ranks)
             self.acceptance.observe(ht.parent, ht.depth, conf, accepted, ht.rank)
@@ -145,7 +148,7 @@ class Policy:
 
     def skipped_step(self) -> None:
         self.skipped += 1
-        self.verified = None
+        self.verified, self.skipping = None, True
 
     def summary(self) -> dict:
         """metrics.json's `speculation`: the policy, the verify widths chosen, acceptance by context length."""

@@ -22,3 +22,4 @@ class StaticPolicy(Policy):
         """Counts only, no device read: static learns nothing, so its steps cost what they did before policies
         existed."""
         self.widths[tree.tokens.shape[1]] += 1
+        self.drafted = not self.skipping  # (its whole tree, padding or not)

@@ -132,3 +132,18 @@ def test_cost_is_told_when_the_batch_drains(tmp_path, monkeypatch):
                         limits(self, reqs, L, waiting))
     decode(tmp_path, "draft=ngram", "speculation=cost")
     assert seen[0] == 2 and seen[-1] == 0 and sorted(seen, reverse=True) == seen
+
+
+def test_plain_step_latency_counts_only_steps_that_verified_no_draft(tmp_path):
+    """metrics.json's plain_steps (and their median latency), by batch size: every step of draft=none and of cost
+    past max_context (which never drafts); under static an EAGLE head drafts on (nearly) every step."""
+    def plain(*overrides):
+        m = decode(tmp_path, *overrides)["metrics"]
+        assert m["plain_steps"].keys() == m["plain_step_ms_p50"].keys()
+        return sum(m["plain_steps"].values()), m["num_verify_steps"]
+    n, steps = plain("draft=none")
+    assert n == steps
+    n, steps = plain("draft=ngram", "speculation=cost", "speculation.max_context=1")
+    assert n == steps
+    n, steps = plain("draft=eagle", "speculation=static")
+    assert n < steps / 2
