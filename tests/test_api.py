@@ -419,7 +419,8 @@ def test_stream_text_never_repeats_when_a_decoder_rewrites_sent_bytes():
 
 
 def test_logprobs_through_the_api_and_streams():
-    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3")
+    sp = SpecPipe(*BASE, "draft.topk=2", "draft.num_steps=3", "speculation=static")  # (the same widths each call:
+    # a GEMM over other row counts rounds the last bits of a logprob differently)
     plain = sp.generate(PROMPTS, max_new_tokens=10)
     got = sp.generate(PROMPTS, max_new_tokens=10, logprobs=True)
     assert [c.output_ids for c in got] == [c.output_ids for c in plain] and plain[0].logprobs is None

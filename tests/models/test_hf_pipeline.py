@@ -166,7 +166,7 @@ def test_logprobs_are_the_targets_raw_log_probabilities(make_hf_model, edit_conf
                             for i, p in enumerate(prompts)))
     out = run(compose("model=hf", f"model.path={folder}", f"draft={draft}", "device.dtype=float64",
                       f"workload.prompts_file={path}", f"workload.max_new_tokens={MAX_NEW}", "workload.logprobs=true",
-                      "workload.batch_size=4"), quiet=True)
+                      "workload.batch_size=4", "speculation=static"), quiet=True)
     if draft == "ngram":
         assert out["metrics"]["accept_length_mean"] > 1
     with torch.no_grad():
