@@ -19,8 +19,10 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 run: $(STAMP)
 	$(PY) -m specpipe $(ARGS)
 
-# two pytest workers (pytest-xdist): every test runs torch on one thread, so two cores halve the suite's time
-PYTEST_ARGS ?= -n 2
+# two pytest workers (pytest-xdist): every test runs torch on one thread, so two cores halve the suite's time;
+# worksteal: a worker that runs dry takes queued tests from the other (`load` left one idle at the tail: 16:44 of
+# pytest where worksteal took 14:23 a few minutes later on the same 2-core machine)
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
 # lint first (seconds): ruff, and the import layers declared in pyproject.toml; then the suite
 test: $(STAMP)
