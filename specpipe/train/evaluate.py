@@ -9,7 +9,9 @@
   per-position rates (metrics.json's definitions) are those of a greedy chain decode of these continuations.
 - Decoded: held-out prompts (the built-in chat set for a chat model, else the heldout code set) run through
   specpipe.run.run with the saved folder loaded by the same loader `draft.path` uses, as a chain and as the
-  default tree; their `accept_length_mean` and per-position rates are metrics.json's.
+  default tree, every round verifying its whole draft (`speculation=static`: under the default `cost` a head
+  that does not pay is paused, and the acceptance measured would be the policy's, near 1); their
+  `accept_length_mean` and per-position rates are metrics.json's.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def decode_metrics(cfg, pair, folder: Path, dtype: str, device) -> dict:
     shapes = {"chain": ["draft.topk=1", f"draft.num_steps={e.steps}", f"draft.num_draft_tokens={e.steps + 1}"],
               "tree": []}
     for name, shape in shapes.items():
-        main = decode_config(cfg, ["draft=eagle", f"workload.max_new_tokens={e.max_new_tokens}",
+        main = decode_config(cfg, ["draft=eagle", "speculation=static", f"workload.max_new_tokens={e.max_new_tokens}",
                                    "workload.batch_size=1", *shape], {"draft.path": str(folder)})
         m = run(main, quiet=True, pair=with_head, items=items)["metrics"]
         out[name] = {"topk": main.draft.topk, "num_steps": main.draft.num_steps,
