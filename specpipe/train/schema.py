@@ -60,6 +60,7 @@ class DataConf:
     distill_new_tokens: int = 192  # tokens the target generates per distillation prompt
     distill_batch: int = 16  # requests decoded together
     distill_temperature: float = 0.8  # half of the prompts are sampled at this temperature, half greedy
+    self_asked: float = 0.5  # share of distillation requests the target writes itself (chat targets: data.py)
     feature_share: float = 0.2  # share of train.minutes for the target's forward over the data
 
 
@@ -154,6 +155,7 @@ def train_problems(cfg) -> list[str]:
         "must be >= 1 or null")
     _in(e, "data.max_feature_gb", d.max_feature_gb, d.max_feature_gb > 0, "must be > 0")
     _in(e, "data.distill_temperature", d.distill_temperature, d.distill_temperature >= 0, "must be >= 0")
+    _in(e, "data.self_asked", d.self_asked, 0 <= d.self_asked <= 1, "must be in [0, 1]")
     for key in ("distill_share", "feature_share"):
         _in(e, f"data.{key}", d[key], 0 <= d[key] < 1, "must be in [0, 1)")
     _in(e, "train.minutes", t.minutes, t.minutes > 0, "must be > 0 (the wall-clock budget of the whole run)")

@@ -1,0 +1,47 @@
+"""Self-distillation: sampled continuations are sampled, and a chat target writes some of its own requests."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import specpipe.run
+from specpipe.models.hf.load import load_tiny
+from specpipe.train.__main__ import compose_train
+from specpipe.train.data import builtin_requests, generate, query_prefix, self_asked
+from specpipe.workload.prompts import chat_set
+from tests.workload.test_prompt_sets import chatml_tokenizer
+
+
+def test_every_other_continuation_is_sampled_at_the_distillation_temperature(tmp_path):
+    """The odd requests sample (they once ran greedy: the sampling was passed where no request reads it)."""
+    pair = load_tiny(draft_path=None)
+    cfg = compose_train(["model=tiny", f"out={tmp_path}", "device.num_threads=1"])
+    text = "def parse(line):\n    fields = line.split(',')\n"
+    seqs = generate(cfg, pair, [(text, "code", False)] * 4, False, 24, 4, 1.0, seed=11)
+    assert [s.origin for s in seqs] == ["greedy", "sampled", "greedy", "sampled"]
+    greedy, sampled = seqs[0].ids, [s.ids for s in seqs[1::2]]
+    assert seqs[2].ids == greedy and all(s != greedy for s in sampled) and sampled[0] != sampled[1]
+
+
+def test_a_chat_target_writes_requests_from_its_user_turn_opener(tmp_path, monkeypatch):
+    tok = chatml_tokenizer(tmp_path / "tok")
+    prefix = query_prefix(tok)
+    assert tok.decode(prefix) == "system\nYou are a helpful AI assistant.\nuser\n"  # (specials decode to nothing)
+    builtin = chat_set("chat")[0]["messages"][0]["content"]
+    outputs = [("How do I keep basil alive on a windowsill?", "stop"), ("  " + builtin.upper() + " ", "stop"),
+               ("Tell me", "stop"), ("Write a long essay about", "length"), ("What is a prime number?", "stop")]
+    seen = {}
+
+    def fake_run(cfg, quiet, pair, items):
+        seen["items"] = items
+        return {"requests": [SimpleNamespace(error=None, finish_reason=why, output_ids=tok.encode(text))
+                             for text, why in outputs]}
+
+    monkeypatch.setattr(specpipe.run, "run", fake_run)
+    pair = SimpleNamespace(tokenizer=tok, target=SimpleNamespace(kv=None))
+    cfg = compose_train(["model=tiny", f"out={tmp_path}"])
+    asked = self_asked(cfg, pair, 5, 100, builtin_requests())
+    assert [a[0] for a in asked] == ["How do I keep basil alive on a windowsill?", "What is a prime number?"]
+    assert all(a[1:] == ("chat", False) for a in asked)  # (trained on, never held out)
+    items = seen["items"]
+    assert all(it["prompt_ids"] == prefix and it["sampling"]["temperature"] == 1.0 for it in items)
+    assert len({it["seed"] for it in items}) == 5
