@@ -29,7 +29,7 @@ class HeadConf:
 @dataclass
 class Eagle3HeadConf(HeadConf):
     kind: str = "eagle3"
-    draft_vocab_size: int = 16384  # most frequent target tokens the draft scores (capped at the vocabulary)
+    draft_vocab_size: int = 8192  # most frequent target tokens the draft scores (capped at the vocabulary)
     aux_layers: Optional[list] = None  # target layers read (layer i's output); null: EAGLE-3's 1, N/2-1, N-4
     layout: str = "specforge"  # specforge (sglang, SpecForge: midlayer.*) | speculators (vLLM: layers.0.*)
     norm_before_residual: bool = False  # the midlayer's residual is the normed hidden (speculators' default true)
@@ -58,17 +58,17 @@ class DataConf:
     soft_topk: int = 32  # target probabilities kept per position as soft labels
     distill_share: float = 0.3  # share of train.minutes for self-distillation (the target's own continuations)
     distill_new_tokens: int = 192  # tokens the target generates per distillation prompt
-    distill_batch: int = 16  # requests decoded together
+    distill_batch: int = 32  # requests decoded together
     distill_temperature: float = 0.8  # half of the prompts are sampled at this temperature, half greedy
     self_asked: float = 0.5  # share of distillation requests the target writes itself (chat targets: data.py)
-    feature_share: float = 0.2  # share of train.minutes for the target's forward over the data
+    feature_share: float = 0.25  # share of train.minutes for the target's forward over the data
 
 
 @dataclass
 class LoopConf:
     minutes: float = 10.0  # wall-clock budget of the whole run: data, features, training, evaluation
     max_steps: Optional[int] = None  # stop after this many optimizer steps (0: save the initialised head)
-    batch_tokens: int = 4096  # tokens per optimizer step
+    batch_tokens: int = 1024  # tokens per optimizer step (more, smaller steps: a short budget learns more)
     steps: int = 3  # draft steps trained (the head fed its own hidden, EAGLE-3's training-time test)
     step_decay: float = 0.8  # loss weight of draft step j: step_decay**j
     lr: float = 1e-3
