@@ -144,8 +144,15 @@ def query_prefix(tokenizer) -> Optional[list]:
     when the template puts nothing that ends before them."""
     from specpipe.workload.tokenizer import encode_rendered
 
-    mark = "\x00USER\x00"
-    text = tokenizer.chat_template.render([{"role": "user", "content": mark}], add_generation_prompt=False)
+    template, mark = getattr(tokenizer, "chat_template", None), "\x00USER\x00"
+    if template is None:
+        return None
+    try:
+        text = template.render([{"role": "user", "content": mark}], add_generation_prompt=False)
+    except Exception as e:  # a template that refuses a lone user turn: no requests of its own, the rest goes on
+        log.info(f"specpipe.train: note: the chat template does not render a lone user turn ({e}); "
+                 f"data.self_asked is left out")
+        return None
     cut = text.find(mark)
     return encode_rendered(tokenizer, text[:cut]) if cut > 0 else None
 
@@ -158,8 +165,8 @@ def self_asked(cfg: DictConfig, pair, n: int, seed: int, avoid: frozenset) -> li
     `avoid` (the built-in prompt sets, normalised) are dropped, so no measured prompt is trained on."""
     from specpipe.run import run
 
-    prefix = query_prefix(pair.tokenizer)
-    if not prefix or n <= 0:
+    prefix = query_prefix(pair.tokenizer) if n > 0 else None
+    if not prefix:
         return []
     main = decode_config(cfg, ["draft=none", "workload.max_new_tokens=64", f"workload.batch_size={n}"])
     items = [{"prompt_ids": prefix, "sampling": {"temperature": 1.0, "top_p": 0.95}, "seed": seed + i}
@@ -184,7 +191,7 @@ def distill(cfg: DictConfig, pair, asks: list, chat: bool, seconds: float, tick:
     batch are requests the target wrote itself (`self_asked`)."""
     d, t0, out, took = cfg.data, time.perf_counter(), [], 0.0
     todo = [a for a in asks if not a[2]]
-    own = min(d.distill_batch, round(d.self_asked * d.distill_batch)) if chat else 0
+    own = min(d.distill_batch, round(d.self_asked * d.distill_batch)) if chat and query_prefix(pair.tokenizer) else 0
     avoid = builtin_requests() if own else frozenset()
     at = 0
     while at < len(todo) or own:

@@ -38,13 +38,15 @@ class Shard:
 
 
 def windows(seqs: list, seq_len: int) -> list[tuple[list, int]]:
-    """(ids, score_from) windows of at most `seq_len` tokens: a longer sequence is cut into consecutive ones."""
+    """(ids, score_from) windows of at most `seq_len` tokens: a longer sequence is cut into consecutive ones. A
+    window with no label (the part of a long prompt before its continuation) is left out: it would cost features
+    and training and teach nothing, and a batch of only such windows has no loss at all."""
     out = []
     for s in seqs:
         for a in range(0, max(1, len(s.ids) - 1), seq_len):
-            w = s.ids[a:a + seq_len]
-            if len(w) >= 2:
-                out.append((w, max(0, s.score_from - a)))
+            w, first = s.ids[a:a + seq_len], max(0, s.score_from - a)
+            if len(w) >= 2 and first < len(w):
+                out.append((w, first))
     return out
 
 

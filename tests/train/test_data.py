@@ -45,3 +45,14 @@ def test_a_chat_target_writes_requests_from_its_user_turn_opener(tmp_path, monke
     items = seen["items"]
     assert all(it["prompt_ids"] == prefix and it["sampling"]["temperature"] == 1.0 for it in items)
     assert len({it["seed"] for it in items}) == 5
+
+
+def test_no_requests_of_its_own_without_a_template_that_renders_a_user_turn(tmp_path):
+    assert query_prefix(load_tiny(draft_path=None).tokenizer) is None  # no chat template
+    tok = chatml_tokenizer(tmp_path / "tok")
+
+    class Refuses:
+        def render(self, messages, add_generation_prompt=True):
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+    tok.chat_template = Refuses()
+    assert query_prefix(tok) is None

@@ -28,3 +28,12 @@ def test_distilled_windows_come_before_the_corpus_and_none_is_lost():
     assert every == sorted(tuple(w) for w, _ in windows(seqs, 128))
     shuffled = group(windows(seqs, 128), 512, seed=3)  # (what the budget kept before: own windows spread out)
     assert not all(all(tuple(w) in own_ids for w, _ in b) for b in shuffled[:first])
+
+
+def test_a_window_before_a_long_prompts_continuation_is_left_out():
+    """Labels start at the prompt's last position; the windows wholly before it teach nothing (a batch of only
+    such windows, which distilled-first order made likely, had no loss to step on)."""
+    long = Seq(list(range(700)), 600, "greedy")
+    wins = windows([long], 256)
+    assert [(len(w), first) for w, first in wins] == [(188, 88)]
+    assert all(first < len(w) for w, first in windows([long, Seq(list(range(50)), 0)], 16))
