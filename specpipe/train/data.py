@@ -114,12 +114,22 @@ def prompt_ids(tokenizer, text: str, chat: bool, room: int) -> Optional[list]:
     return tokenizer.encode(text)[-room:]
 
 
+def decode_plain(cfg: DictConfig, pair, items: list, new_tokens: int, batch: int) -> list:
+    """The target's requests for `items` (specpipe.run.run, draft=none), its KV pool freed after: the features'
+    forwards need none."""
+    from specpipe.run import run
+
+    main = decode_config(cfg, ["draft=none", f"workload.max_new_tokens={new_tokens}", f"workload.batch_size={batch}"])
+    reqs = run(main, quiet=True, pair=pair, items=items)["requests"]
+    pair.target.kv = None
+    return reqs
+
+
 def generate(cfg: DictConfig, pair, asks: list, chat: bool, new_tokens: int, batch: int, temperature: float,
              seed: int) -> list[Seq]:
     """The target's continuations of `asks` (plain decoding through specpipe.run.run), every other one sampled at
     `temperature` (0: all greedy): prompt + output as a Seq whose labels start at the prompt's last position.
     Prompts are cut (texts) or left out (chats) to leave room for `new_tokens` in the target's context."""
-    from specpipe.run import run
 
     room = pair.target.config.max_position_embeddings - new_tokens - 1
     items = []
@@ -130,10 +140,7 @@ def generate(cfg: DictConfig, pair, asks: list, chat: bool, new_tokens: int, bat
                           "seed": seed + i})
     if not items:
         return []
-    main = decode_config(cfg, ["draft=none", f"workload.max_new_tokens={new_tokens}",
-                               f"workload.batch_size={batch}"])
-    reqs = run(main, quiet=True, pair=pair, items=items)["requests"]
-    pair.target.kv = None  # the decode's KV pool: the features' forwards need none
+    reqs = decode_plain(cfg, pair, items, new_tokens, batch)
     return [Seq(list(r.prompt_ids) + list(r.output_ids), max(1, len(r.prompt_ids) - 1),
                 "sampled" if it["sampling"]["temperature"] else "greedy")
             for r, it in zip(reqs, items) if r.error is None and r.output_ids]
@@ -163,16 +170,13 @@ def self_asked(cfg: DictConfig, pair, n: int, seed: int, avoid: frozenset) -> li
     is far more varied than a list of subjects (a SmolLM2 head trained on templated requests agreed with the
     target on 43 % of its held-out templated continuations, 24 % of the hand-written chat set's). Requests in
     `avoid` (the built-in prompt sets, normalised) are dropped, so no measured prompt is trained on."""
-    from specpipe.run import run
 
     prefix = query_prefix(pair.tokenizer) if n > 0 else None
     if not prefix:
         return []
-    main = decode_config(cfg, ["draft=none", "workload.max_new_tokens=64", f"workload.batch_size={n}"])
     items = [{"prompt_ids": prefix, "sampling": {"temperature": 1.0, "top_p": 0.95}, "seed": seed + i}
              for i in range(n)]
-    reqs = run(main, quiet=True, pair=pair, items=items)["requests"]
-    pair.target.kv = None
+    reqs = decode_plain(cfg, pair, items, 64, n)
     texts = [pair.tokenizer.decode(r.output_ids).strip() for r in reqs if r.error is None and r.finish_reason == "stop"]
     return [(t, "chat", False) for t in texts if len(t) >= 8 and " ".join(t.lower().split()) not in avoid]
 
