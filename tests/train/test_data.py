@@ -56,3 +56,40 @@ def test_no_requests_of_its_own_without_a_template_that_renders_a_user_turn(tmp_
             raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
     tok.chat_template = Refuses()
     assert query_prefix(tok) is None
+
+
+def test_the_distillation_decodes_packed_and_leaves_the_weights_dense_for_the_features(tmp_path, monkeypatch):
+    """The decodes run oneDNN-packed weights (faster at distillation's batch sizes); prepare_data lays them out
+    row-major again, because the features' forward and the new head's lm_head rows read them densely."""
+    import torch
+
+    from specpipe.devices.weight_layout import PackedLinear, packing_available
+    from specpipe.train.data import prepare_data
+
+    from specpipe.train.features import target_features
+
+    pair = load_tiny(draft_path=None)
+    probe = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def feats():
+        return target_features(pair.target, probe, [0, 1], 4, False, torch.device("cpu"))
+    before = feats()
+    layouts, real_run = [], specpipe.run.run
+
+    def spy(cfg, **kw):
+        layouts.append(cfg.device.weight_layout)
+        out = real_run(cfg, **kw)
+        layouts.append(any(isinstance(m, PackedLinear) for m in pair.target.modules()))
+        return out
+
+    monkeypatch.setattr(specpipe.run, "run", spy)
+    cfg = compose_train(["model=tiny", f"out={tmp_path}", "device.num_threads=1", "data.sources=[stdlib]",
+                         "data.max_chars=20000", "data.distill_batch=4", "data.distill_new_tokens=8",
+                         "eval.heldout_prompts=2"])
+    data = prepare_data(cfg, pair, seconds=3.0)
+    assert data.heldout_greedy and layouts[0] == "packed"
+    assert layouts[1] == packing_available()  # packed while it decoded, where oneDNN can pack
+    assert not any(isinstance(m, PackedLinear) for m in pair.target.modules())
+    assert all(p.layout == torch.strided and p.is_contiguous() for p in pair.target.parameters())
+    after = feats()
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(before, after))  # the same values, read densely
