@@ -14,7 +14,10 @@ the rows where the default policy (or --check POLICY) is under 0.97x draft=none 
     python scripts/bench_policy.py --models tiny --batch 1 --prompts 4 # a quick look
     python scripts/bench_policy.py --models real --sets code --drafters ngram
 
-The real model is SmolLM2-135M-Instruct as `make real-model` builds it (--real-dir to point elsewhere).
+The real model is SmolLM2-135M-Instruct as `make real-model` builds it (--real-dir to point elsewhere); --real-head
+DIR adds its draft=eagle rows with that head (e.g. one `python -m specpipe.train` wrote).
+
+    python scripts/bench_policy.py --models real --sets chat --real-head out/head --drafters eagle --batch 1 4
 """
 from __future__ import annotations
 
@@ -37,10 +40,10 @@ POLICIES = ["static", "schedule", "adaptive", "cost"]
 CHAIN = ["draft.topk=1", "draft.num_steps=4", "draft.num_draft_tokens=5"]
 
 
-def rows_for(drafter: str, policies: list[str]) -> list[tuple[str, list[str]]]:
+def rows_for(drafter: str, policies: list[str], extra: tuple = ()) -> list[tuple[str, list[str]]]:
     rows = []
     for pol in policies:
-        rows.append((f"{drafter} {pol}", [f"draft={drafter}", f"speculation={pol}"]))
+        rows.append((f"{drafter} {pol}", [f"draft={drafter}", f"speculation={pol}", *extra]))
         if pol == "static" and drafter in ("ngram", "suffix"):
             rows.append((f"{drafter} static chain4", [f"draft={drafter}", "speculation=static", *CHAIN]))
     return rows
@@ -55,11 +58,12 @@ def measure(overrides: list[str], pair) -> tuple[dict, list]:
 
 
 def block(model: str, base: list[str], pair, pset: str, batch: int, drafters, policies, default: str,
-          reps: int) -> list[str]:
+          reps: int, extra: dict) -> list[str]:
     """One (model, prompts, batch) block: every row `reps` times, interleaved (row 1..n, then again), each row's
-    best run kept: interference on a shared machine only ever slows a run down."""
+    best run kept: interference on a shared machine only ever slows a run down. `extra`: a drafter's own
+    overrides (draft=eagle's draft.path)."""
     common = base + [f"workload.prompt_set={pset}", f"workload.batch_size={batch}"]
-    rows = [("none", ["draft=none"])] + [r for d in drafters for r in rows_for(d, policies)]
+    rows = [("none", ["draft=none"])] + [r for d in drafters for r in rows_for(d, policies, extra.get(d, ()))]
     tps: dict = {name: [] for name, _ in rows}
     al, plain, want, at = {}, {}, None, None
     for _ in range(reps):
@@ -111,6 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny", "real"], choices=sorted(MODELS))
     ap.add_argument("--real-dir", default=str(REAL_DIR))
+    ap.add_argument("--real-head", default=None, help="an EAGLE head for the real model: adds its draft=eagle rows")
     ap.add_argument("--sets", nargs="+", default=None, help="prompt sets (default: heldout for tiny, chat and code "
                                                             "for the real model)")
     ap.add_argument("--drafters", nargs="+", default=None)
@@ -140,19 +145,24 @@ def main() -> None:
     lines = list(head)
     for model in args.models:
         overrides, sets, drafters = MODELS[model]
+        extra, load = {}, []
         if model == "real":
             if not Path(args.real_dir, "config.json").is_file():
                 print(f"skipping the real model: no {args.real_dir} (make real-model builds it)", flush=True)
                 continue
             overrides = ["model=hf", f"model.path={args.real_dir}"]
+            if args.real_head:
+                drafters = drafters + ["eagle"]
+                extra = {"eagle": (f"draft.path={args.real_head}",)}
+                load = ["draft=eagle", *extra["eagle"]]
         base = overrides + [f"workload.num_prompts={args.prompts}", f"workload.max_new_tokens={args.max_new}",
                             f"device.num_threads={args.threads}"]
-        cfg0 = compose_config(base)
+        cfg0 = compose_config(base + load)
         pair = load_pair(cfg0, cfg0.device.dtype, CpuDevice(cfg0.device.dtype))
         for pset in args.sets or sets:
             for b in args.batch:
                 lines += block(model, base, pair, pset, b, args.drafters or drafters, args.policies, default,
-                               args.reps)
+                               args.reps, extra)
     policy = args.check or default
     bad = missed(lines, policy)
     verdict = [f"\n{policy}: {len(bad)} row(s) under 0.97x draft=none or the best static row" + (":" if bad else "")]
