@@ -37,6 +37,8 @@ class SpecPipeline(Pipeline):
         self.growth = num_draft_tokens
         self.proposer = proposer
         proposer.report_conf = self.policy.compact  # the trimming policies rank nodes by it
+        if proposer.conf_is_probability:
+            self.policy.acceptance.prior_from_conf()
         self.fused_verify = False  # rounds verify through one `verify.round` call (run.plan_rounds decides)
         self.node_allowed = None  # [B, N, V] bool: each tree node's grammar mask this step (None: no constraint)
         # the draft flags verify.round reads for drafters that raise none (n-gram, suffix): sliced, never allocated

@@ -45,6 +45,7 @@ class Proposer:
     # what the speculation policies rank nodes by (`speculation.acceptance`)
     node_conf = None
     report_conf = False  # a speculation policy reads node_conf (static does not: no work spent on it)
+    conf_is_probability = False  # node_conf is the drafter's probability of the token (the policies' prior)
     # seconds of this step's propose spent on earlier steps' work (EAGLE's held extend catching up): not what
     # drafting costs, so the policy's draft stage leaves it out
     untimed_s = 0.0

@@ -26,6 +26,8 @@ class EagleProposer(Proposer):
     """An EAGLE head (EAGLE-1/2, or EAGLE-3 reading several target layers): tree drafting from the target's hidden
     states, its KV in a pool indexed by the target's slots."""
 
+    conf_is_probability = True  # node_conf: the head's softmax probability of the node given its parent
+
     @classmethod
     def build(cls, cfg, pair, setup: DraftSetup) -> "EagleProposer":
         d = cfg.draft

@@ -10,9 +10,11 @@ from specpipe.drafters.held_extend import HELD_STEPS, HeldTokens
 from specpipe.run import run
 from specpipe.stages.draft_forward import DraftForward
 
-# verifying anything costs 3x a plain step: no draft pays, so drafting pauses and probes now and then
+# verifying anything costs 30x a plain step: no draft pays, so drafting pauses and probes now and then. (At 3x, a
+# verify of the random head's drafts cost less than the ~5 ms draft stage already spent, and whether a probe
+# verified its drafts followed that stage's timing: the two runs compared below then took different paths.)
 BASE = ["model=random_tiny", "draft=eagle", "workload.num_prompts=3", "workload.batch_size=2"]
-PAUSED = ["speculation=cost", "speculation.cost_ms={1: {1: 1, 8: 3}, 2: {1: 1, 8: 3}}", "speculation.skip_after=2"]
+PAUSED = ["speculation=cost", "speculation.cost_ms={1: {1: 1, 8: 30}, 2: {1: 1, 8: 30}}", "speculation.skip_after=2"]
 
 
 def decode(monkeypatch, held: bool, *overrides):

@@ -55,3 +55,18 @@ def test_without_confidence_siblings_learn_apart():
         acc.observe(PARENT, DEPTH, None, np.array([[True, True, False, False, False, False]]))
     p = acc.path_probs(PARENT, DEPTH, MASK, None)
     assert p[0, 1] > 0.9 and p[0, 2] < 0.1
+
+
+def test_a_drafter_whose_confidence_is_a_probability_starts_each_cell_at_it():
+    """EAGLE's draft probability is the prior: an unseen unlikely node is not taken for an even chance (with 0.5
+    everywhere, a weak head's probes verified its unlikely nodes), a confident one still starts optimistic."""
+    plain, calibrated = Acceptance(), Acceptance()
+    calibrated.prior_from_conf()
+    conf = np.array([[1.0, 0.05, 0.95, 0.3, 0.3, 0.0]])
+    p0, p1 = (a.path_probs(PARENT, DEPTH, MASK, conf) for a in (plain, calibrated))
+    assert np.allclose(p0[0, 1:3], 0.5)
+    assert np.isclose(p1[0, 1], 1 / 16) and np.isclose(p1[0, 2], 15 / 16)  # the bins' centres (8 bins)
+    # data still decides: 20 misses bring the confident node under the unlikely one's prior
+    for _ in range(20):
+        calibrated.observe(PARENT, DEPTH, conf, np.array([[True, False, False, False, False, False]]))
+    assert calibrated.path_probs(PARENT, DEPTH, MASK, conf)[0, 2] < p1[0, 1]

@@ -266,3 +266,24 @@ def test_a_draft_that_promises_less_than_min_gain_is_not_verified():
     eager.min_gain = 0.0
     assert eager.width(p, np.array([4])) == 2
     assert policy(curve).width(np.array([[1.0, 0.5, 0.0, 0.0, 0.0]]), np.array([4])) == 2  # 38 % more: verified
+
+
+def test_a_weak_heads_unlikely_drafts_are_not_verified_as_even_chances(monkeypatch):
+    """A random EAGLE head's nodes have draft probabilities near 1/V. Verifying costs a plain step's time per
+    token (the curve given), so a node must be likelier than ~1/4 to pay. Each cell's prior is the head's own
+    probability: `cost` verifies next to nothing. With the even prior it verified a draft on most steps."""
+    from helpers import compose
+    from specpipe.run import run
+    from specpipe.speculation.acceptance import Acceptance
+
+    cfg = compose("model=random_tiny", "draft=eagle", "workload.num_prompts=3", "workload.batch_size=2",
+                  "workload.max_new_tokens=24", "speculation=cost",
+                  "speculation.cost_ms={1: {1: 1, 8: 8}, 2: {1: 1, 8: 8}}", "speculation.skip_after=0")
+
+    def verified(out):
+        return out["metrics"]["num_draft_tokens"], [r.output_ids for r in out["requests"]]
+    drafts, ids = verified(run(cfg, quiet=True))
+    monkeypatch.setattr(Acceptance, "prior_from_conf", lambda self: None)  # the even prior
+    even, even_ids = verified(run(cfg, quiet=True))
+    assert ids == even_ids  # (greedy: the target decides every token)
+    assert even >= 40 and drafts <= even / 10, (drafts, even)
