@@ -119,8 +119,9 @@ def prompt_ids(tokenizer, text: str, chat: bool, room: int) -> Optional[list]:
 def decode_plain(cfg: DictConfig, pair, items: list, new_tokens: int, batch: int) -> list:
     """The target's requests for `items` (specpipe.run.run, draft=none), its KV pool freed after: the features'
     forwards need none. The weights run oneDNN-packed where the device can (CPU; elsewhere `packed` is `row`):
-    on SmolLM2 at batch 32 (2 cores) that decoded 162 tok/s against 117 row-major. They stay packed until
-    `prepare_data` lays them out row-major again for the features (whose long prefills run faster so)."""
+    on SmolLM2 at batch 32 (2 cores) that decoded 1.32x row-major's tokens/s (scripts/bench_distill.py). They
+    stay packed until `prepare_data` lays them out row-major again for the features (whose long prefills run
+    faster so)."""
     from specpipe.run import run
 
     main = decode_config(cfg, ["draft=none", f"workload.max_new_tokens={new_tokens}", f"workload.batch_size={batch}"],
